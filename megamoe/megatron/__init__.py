@@ -1,0 +1,1 @@
+"""megatron-core integration: the MoELayer replacement, its gating conditions, and CPU compatibility."""
