@@ -1,3 +1,25 @@
-"""MegaMoE: a fused expert-parallel MoE layer (router, dispatch + grouped GEMM, SwiGLU, combine)."""
+"""MegaMoE: a fused expert-parallel MoE layer (router, dispatch + grouped GEMM, SwiGLU, combine).
+
+The public surface is ``__all__`` below; everything else is internal.
+"""
+
+from megamoe.errors import InvalidConfigError, MegaMoEError, UnsupportedSettingError
+from megamoe.ops import MegaMoEHandle, dispatch_grouped_gemm, fused_mega_moe, grouped_gemm_combine
+from megamoe.router import AuxLossScaler, MegaMoERouter, RouterConfig, RouterOutput, topk_routing
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "AuxLossScaler",
+    "InvalidConfigError",
+    "MegaMoEError",
+    "MegaMoEHandle",
+    "MegaMoERouter",
+    "RouterConfig",
+    "RouterOutput",
+    "UnsupportedSettingError",
+    "dispatch_grouped_gemm",
+    "fused_mega_moe",
+    "grouped_gemm_combine",
+    "topk_routing",
+]

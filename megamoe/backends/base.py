@@ -1,0 +1,83 @@
+"""The one small interface every expert backend implements (reference, triton, primus_turbo).
+
+Legend: T local tokens, H hidden, I expert intermediate, G local experts, K top-k, R rows this rank
+computes (the (token, k) pairs routed to its experts, from every EP rank, sorted by local expert).
+
+The autograd functions in :mod:`megamoe.ops` own the graph; a backend only computes. The split is
+Primus-Turbo's: stage 1 = dispatch + GEMM1 (``h = x W1^T``, pre-SwiGLU), stage 2 = SwiGLU + GEMM2 +
+combine with the routing weights. The routing weight of each dispatched row travels with stage 1
+(``dispatch_weights [R]``) so that its gradient flows back through stage 1's backward.
+
+A backend's ``plan`` is opaque to :mod:`megamoe.ops`: it is built once per forward from ``topk_idx``
+and handed back to every other call (forward and backward), so a backend can keep its routing tables,
+all-to-all splits or device-side tile tables there. The plan must not hold the dispatched ``x``:
+backward recomputes it (the contract says the forward keeps only the original ``x``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class ExpertBackend(Protocol):
+    """Compute kernels of the two expert stages, forward and backward."""
+
+    name: str
+
+    def make_plan(self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None) -> Any:
+        """Routing tables for one forward: which rows go where, per-expert counts, ..."""
+        ...
+
+    def stage1_forward(
+        self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: Any
+    ) -> tuple[Tensor, Tensor]:
+        """Dispatch + GEMM1: return ``h_R2I`` (pre-SwiGLU) and ``dispatch_weights_R``."""
+        ...
+
+    def stage1_backward(
+        self,
+        x_TH: Tensor,
+        w1_G2IH: Tensor,
+        plan: Any,
+        grad_h_R2I: Tensor,
+        grad_dispatch_weights_R: Tensor,
+        needs_grad: tuple[bool, bool, bool],
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """Return ``(dx_TH, d_topk_weights_TK, dw1_G2IH)``; recomputes the dispatched x for dW1."""
+        ...
+
+    def stage2_forward(self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: Any) -> Tensor:
+        """SwiGLU + GEMM2 + weighted combine back to the source ranks: return ``y_TH``."""
+        ...
+
+    def stage2_backward(
+        self,
+        h_R2I: Tensor,
+        dispatch_weights_R: Tensor,
+        w2_GHI: Tensor,
+        plan: Any,
+        dy_TH: Tensor,
+        needs_grad: tuple[bool, bool, bool],
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """Return ``(dh_R2I, d_dispatch_weights_R, dw2_GHI)``."""
+        ...
+
+
+def swiglu(h_R2I: Tensor) -> Tensor:
+    """``silu(gate) * up`` with gate = first half of the columns, up = second half (no clamp)."""
+    gate, up = h_R2I.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def swiglu_backward(h_R2I: Tensor, grad_a_RI: Tensor) -> Tensor:
+    """Gradient of :func:`swiglu` w.r.t. its input, computed in the input's precision or better."""
+    gate, up = h_R2I.chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    d_gate = grad_a_RI * up * sig * (1 + gate * (1 - sig))
+    d_up = grad_a_RI * silu
+    return torch.cat([d_gate, d_up], dim=-1)

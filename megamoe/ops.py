@@ -1,0 +1,203 @@
+"""The expert path as autograd ops: ``dispatch_grouped_gemm -> SwiGLU -> grouped_gemm_combine``.
+
+Legend: T local tokens, H hidden, I expert intermediate, E experts (all ranks), G = E / W local
+experts, W EP ranks, K top-k, R rows routed to this rank's experts.
+
+    y_t = sum_k w_tk * (silu(x_t W1g_e^T) * (x_t W1u_e^T)) W2_e^T,   e = topk_idx[t, k]
+
+* :func:`dispatch_grouped_gemm` (stage 1): tokens to the ranks owning their experts, then
+  ``h = x W1^T`` per expert. Returns ``h [R, 2I]``, the routing weight of each row
+  ``dispatch_weights [R]`` and a :class:`MegaMoEHandle` for stage 2.
+* :func:`grouped_gemm_combine` (stage 2): SwiGLU, ``W2``, rows back to their source rank, weighted sum
+  over the K slots. The gradient of the routing weights rides ``dispatch_weights`` back through
+  stage 1 (Primus-Turbo's split), so ``topk_weights`` gets its gradient.
+* :func:`fused_mega_moe` is both stages.
+
+Stage 1 saves only ``x`` and ``w1``: its backward dispatches ``x`` again for dW1 rather than keeping
+the dispatched copy (K times the size of ``x``). ``topk_idx == -1`` marks a dropped slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megamoe.backends import ExpertBackend, get_backend
+from megamoe.errors import InvalidConfigError, MegaMoEError, shape_error
+
+
+@dataclass(frozen=True, slots=True)
+class MegaMoEHandle:
+    """What stage 2 needs from stage 1: the backend and its routing plan."""
+
+    backend: ExpertBackend
+    plan: Any
+    num_tokens: int
+
+
+def _ep_size(group: dist.ProcessGroup | None) -> int:
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def _validate(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor | None, ep: int) -> None:
+    """Check shapes, dtypes and expert ids against the layer contract; raise naming the tensor."""
+    if x.dim() != 2:
+        raise shape_error("x", x.shape, "[T, H]")
+    T, H = x.shape
+    if not x.is_floating_point():
+        raise InvalidConfigError("x.dtype", x.dtype, "must be a floating dtype")
+    if w1.dim() != 3 or w1.shape[2] != H or w1.shape[1] % 2:
+        raise shape_error("w1", w1.shape, f"[G, 2I, H={H}]", "rows 0:I are the gate, I:2I the up projection")
+    G, two_i = w1.shape[0], w1.shape[1]
+    if w2 is not None and tuple(w2.shape) != (G, H, two_i // 2):
+        raise shape_error("w2", w2.shape, f"[G={G}, H={H}, I={two_i // 2}] to match w1 {tuple(w1.shape)}")
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != T:
+        raise shape_error("topk_idx", topk_idx.shape, f"[T={T}, K]")
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        raise InvalidConfigError("topk_idx.dtype", topk_idx.dtype, "must be int32 or int64")
+    if tuple(topk_weights.shape) != tuple(topk_idx.shape):
+        raise shape_error("topk_weights", topk_weights.shape, f"{list(topk_idx.shape)} like topk_idx")
+    for name, t in (("w1", w1), ("w2", w2)):
+        if t is not None and t.dtype != x.dtype:
+            raise InvalidConfigError(f"{name}.dtype", t.dtype, f"must equal x.dtype={x.dtype}")
+    devices = {t.device for t in (x, topk_idx, topk_weights, w1, w2) if t is not None}
+    if len(devices) > 1:
+        raise InvalidConfigError("device", sorted(map(str, devices)), "all inputs must be on one device")
+    num_experts = G * ep
+    if x.device.type == "cpu" and topk_idx.numel():
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < -1 or hi >= num_experts:
+            raise InvalidConfigError(
+                "topk_idx",
+                f"values in [{lo}, {hi}]",
+                f"expert ids must be in [0, E={num_experts}) or -1 for a dropped slot (E = G={G} x EP={ep})",
+            )
+    elif topk_idx.numel():
+        torch._assert_async(
+            ((topk_idx >= -1) & (topk_idx < num_experts)).all(),
+            f"topk_idx: expert ids must be in [0, {num_experts}) or -1",
+        )
+
+
+def _agree_on_errors(error: MegaMoEError | None, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Every EP rank raises if any rank's input is bad, instead of the good ranks hanging in a collective.
+
+    Only for CPU process groups: on GPUs the flag exchange would be a host sync in every forward, and
+    shape errors there are raised before any collective on every rank alike.
+    """
+    if _ep_size(group) > 1 and device.type == "cpu":
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if error is None and int(flag.item()):
+            raise InvalidConfigError("group", "peer", "another EP rank passed invalid MegaMoE inputs (see its error)")
+    if error is not None:
+        raise error
+
+
+class _DispatchGroupedGemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, w1, handle: MegaMoEHandle):
+        h, dispatch_weights = handle.backend.stage1_forward(x, topk_weights, w1, handle.plan)
+        ctx.save_for_backward(x, w1)
+        ctx.handle = handle
+        return h, dispatch_weights
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_dispatch_weights):
+        x, w1 = ctx.saved_tensors
+        handle: MegaMoEHandle = ctx.handle
+        needs = tuple(ctx.needs_input_grad[:3])
+        dx, d_topk_weights, dw1 = handle.backend.stage1_backward(
+            x, w1, handle.plan, grad_h.contiguous(), grad_dispatch_weights.contiguous(), needs
+        )
+        return dx, d_topk_weights, dw1, None
+
+
+class _GroupedGemmCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, dispatch_weights, w2, handle: MegaMoEHandle):
+        y = handle.backend.stage2_forward(h, dispatch_weights, w2, handle.plan)
+        ctx.save_for_backward(h, dispatch_weights, w2)
+        ctx.handle = handle
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, dispatch_weights, w2 = ctx.saved_tensors
+        handle: MegaMoEHandle = ctx.handle
+        needs = tuple(ctx.needs_input_grad[:3])
+        dh, d_dispatch_weights, dw2 = handle.backend.stage2_backward(
+            h, dispatch_weights, w2, handle.plan, dy.contiguous(), needs
+        )
+        return dh, d_dispatch_weights, dw2, None
+
+
+def _make_handle(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    w1: Tensor,
+    w2: Tensor | None,
+    group: dist.ProcessGroup | None,
+    backend: str,
+) -> MegaMoEHandle:
+    ep = _ep_size(group)
+    error = None
+    try:
+        _validate(x, topk_idx, topk_weights, w1, w2, ep)
+    except MegaMoEError as e:
+        error = e
+    _agree_on_errors(error, group, x.device)
+    impl = get_backend(backend, device=x.device, dtype=x.dtype)
+    plan = impl.make_plan(topk_idx, num_experts=w1.shape[0] * ep, group=group)
+    return MegaMoEHandle(impl, plan, x.shape[0])
+
+
+def dispatch_grouped_gemm(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    w1: Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor, MegaMoEHandle]:
+    """Stage 1: dispatch + GEMM1. Returns ``(h [R, 2I] pre-SwiGLU, dispatch_weights [R], handle)``."""
+    handle = _make_handle(x, topk_idx, topk_weights, w1, None, group, backend)
+    h, dispatch_weights = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
+    return h, dispatch_weights, handle
+
+
+def grouped_gemm_combine(h: Tensor, dispatch_weights: Tensor, handle: MegaMoEHandle, w2: Tensor) -> Tensor:
+    """Stage 2: SwiGLU + GEMM2 + combine + weighted top-k reduce. Returns ``y [T, H]``."""
+    if h.dim() != 2 or w2.dim() != 3 or h.shape[1] != 2 * w2.shape[2]:
+        raise shape_error("h", h.shape, f"[R, 2I] matching w2 {tuple(w2.shape)} = [G, H, I]")
+    if w2.dtype != h.dtype:
+        raise InvalidConfigError("w2.dtype", w2.dtype, f"must equal the activations' dtype {h.dtype}")
+    return _GroupedGemmCombine.apply(h, dispatch_weights, w2, handle)
+
+
+def fused_mega_moe(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    backend: str = "auto",
+) -> Tensor:
+    """The whole expert path: ``y [T, H]`` for ``x [T, H]`` routed by ``topk_idx``/``topk_weights [T, K]``.
+
+    ``w1 [G, 2I, H]`` (gate rows then up rows), ``w2 [G, H, I]``; global expert ``e`` lives on EP rank
+    ``e // G`` of ``group`` (None = one rank). Differentiable in ``x``, ``topk_weights``, ``w1``, ``w2``.
+    """
+    handle = _make_handle(x, topk_idx, topk_weights, w1, w2, group, backend)
+    h, dispatch_weights = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
+    return _GroupedGemmCombine.apply(h, dispatch_weights, w2, handle)
