@@ -85,7 +85,7 @@ def _is_cuda(device: Any) -> bool:
 class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
     """Maps ``device="cuda"`` to CPU, makes ``Tensor.cuda()`` a no-op, reports ``torch.cuda.*`` types."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
