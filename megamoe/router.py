@@ -237,7 +237,7 @@ def load_balancing_loss(
 
 
 class MegaMoERouter(nn.Module):
-    """Gating linear (``weight [E, H]``, float32 master) + :func:`topk_routing` + aux loss."""
+    """Gating linear (``weight [E, H]``, float32 unless told otherwise) + :func:`topk_routing` + aux loss."""
 
     def __init__(
         self,
@@ -246,12 +246,13 @@ class MegaMoERouter(nn.Module):
         *,
         reduce_group: dist.ProcessGroup | None = None,
         attach: AuxLossAttach = attach_aux_loss,
+        weight_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.reduce_group = reduce_group
         self.attach = attach
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=weight_dtype))
         nn.init.normal_(self.weight, std=1.0 / math.sqrt(hidden_size))
 
     def logits(self, x_TH: Tensor) -> Tensor:
