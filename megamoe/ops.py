@@ -146,6 +146,7 @@ def _make_handle(
     w2: Tensor | None,
     group: dist.ProcessGroup | None,
     backend: str,
+    precision: str,
 ) -> MegaMoEHandle:
     ep = _ep_size(group)
     error = None
@@ -154,7 +155,7 @@ def _make_handle(
     except MegaMoEError as e:
         error = e
     _agree_on_errors(error, group, x.device)
-    impl = get_backend(backend, device=x.device, dtype=x.dtype)
+    impl = get_backend(backend, device=x.device, dtype=x.dtype, precision=precision)
     plan = impl.make_plan(topk_idx, num_experts=w1.shape[0] * ep, group=group)
     return MegaMoEHandle(impl, plan, x.shape[0])
 
@@ -167,9 +168,10 @@ def dispatch_grouped_gemm(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str = "auto",
+    precision: str = "bf16",
 ) -> tuple[Tensor, Tensor, MegaMoEHandle]:
     """Stage 1: dispatch + GEMM1. Returns ``(h [R, 2I] pre-SwiGLU, dispatch_weights [R], handle)``."""
-    handle = _make_handle(x, topk_idx, topk_weights, w1, None, group, backend)
+    handle = _make_handle(x, topk_idx, topk_weights, w1, None, group, backend, precision)
     h, dispatch_weights = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
     return h, dispatch_weights, handle
 
@@ -192,12 +194,16 @@ def fused_mega_moe(
     group: dist.ProcessGroup | None = None,
     *,
     backend: str = "auto",
+    precision: str = "bf16",
 ) -> Tensor:
     """The whole expert path: ``y [T, H]`` for ``x [T, H]`` routed by ``topk_idx``/``topk_weights [T, K]``.
 
     ``w1 [G, 2I, H]`` (gate rows then up rows), ``w2 [G, H, I]``; global expert ``e`` lives on EP rank
     ``e // G`` of ``group`` (None = one rank). Differentiable in ``x``, ``topk_weights``, ``w1``, ``w2``.
+    ``precision`` is the expert GEMMs' number format: ``"bf16"`` computes in the inputs' dtype,
+    ``"mxfp8"`` in MX blocks (E4M3 data, one E8M0 scale per 32; see :mod:`megamoe.quant`) while
+    the parameters stay in their dtype. The handle carries it to :func:`grouped_gemm_combine`.
     """
-    handle = _make_handle(x, topk_idx, topk_weights, w1, w2, group, backend)
+    handle = _make_handle(x, topk_idx, topk_weights, w1, w2, group, backend, precision)
     h, dispatch_weights = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
     return _GroupedGemmCombine.apply(h, dispatch_weights, w2, handle)

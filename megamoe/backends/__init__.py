@@ -3,6 +3,10 @@
 ``auto`` picks the fastest backend that supports the device and dtype: Triton for bf16 on CUDA,
 Primus-Turbo's FlyDSL kernels for bf16 on ROCm when ``primus_turbo`` is installed, and the exact
 PyTorch reference everywhere else.
+
+``precision`` picks the number format of the expert GEMMs: ``bf16`` (the inputs' own dtype) or
+``mxfp8`` (:mod:`megamoe.quant`). MXFP8 runs on the exact emulation
+(:mod:`megamoe.backends.mxfp8_reference`) until a backend ships MXFP8 kernels.
 """
 
 from __future__ import annotations
@@ -19,9 +23,27 @@ from megamoe.errors import InvalidConfigError, UnsupportedSettingError
 logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("auto", "reference", "triton", "primus_turbo")
+PRECISIONS = ("bf16", "mxfp8")
 
 
-def _load(name: str) -> ExpertBackend:
+def _load_mxfp8(name: str) -> ExpertBackend:
+    if name == "reference":
+        from megamoe.backends.mxfp8_reference import MXFP8ReferenceBackend
+
+        return MXFP8ReferenceBackend()
+    if name in BACKEND_NAMES:
+        raise UnsupportedSettingError(
+            "precision",
+            "mxfp8",
+            f"backend {name!r} has no MXFP8 kernels",
+            "Use backend='reference' or 'auto'",
+        )
+    raise InvalidConfigError("backend", name, "unknown backend", f"Use one of {', '.join(BACKEND_NAMES)}")
+
+
+def _load(name: str, precision: str) -> ExpertBackend:
+    if precision == "mxfp8":
+        return _load_mxfp8(name)
     if name == "reference":
         return ReferenceBackend()
     if name == "triton":
@@ -39,10 +61,14 @@ def _load(name: str) -> ExpertBackend:
     raise InvalidConfigError("backend", name, "unknown backend", f"Use one of {', '.join(BACKEND_NAMES)}")
 
 
-def resolve_backend_name(name: str, *, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_backend_name(
+    name: str, *, device: torch.device, dtype: torch.dtype, precision: str = "bf16"
+) -> str:
     """Turn ``auto`` into a concrete backend name for tensors on ``device`` of ``dtype``."""
     if name != "auto":
         return name
+    if precision == "mxfp8":
+        return "reference"
     if device.type == "cuda" and dtype == torch.bfloat16:
         if torch.version.hip is not None:
             return "primus_turbo" if importlib.util.find_spec("primus_turbo") is not None else "reference"
@@ -53,15 +79,22 @@ def resolve_backend_name(name: str, *, device: torch.device, dtype: torch.dtype)
     return "reference"
 
 
-_CACHE: dict[str, ExpertBackend] = {}
+_CACHE: dict[tuple[str, str], ExpertBackend] = {}
 
 
-def get_backend(name: str = "auto", *, device: torch.device, dtype: torch.dtype) -> ExpertBackend:
-    """The backend instance for ``name`` (``auto`` resolved for ``device``/``dtype``), created once."""
-    concrete = resolve_backend_name(name, device=device, dtype=dtype)
-    if concrete not in _CACHE:
-        _CACHE[concrete] = _load(concrete)
-    return _CACHE[concrete]
+def get_backend(
+    name: str = "auto", *, device: torch.device, dtype: torch.dtype, precision: str = "bf16"
+) -> ExpertBackend:
+    """The backend instance for ``name`` and ``precision`` (``auto`` resolved for ``device``/``dtype``), created once."""
+    if precision not in PRECISIONS:
+        raise InvalidConfigError(
+            "precision", precision, "unknown expert precision", f"Use one of {', '.join(PRECISIONS)}"
+        )
+    concrete = resolve_backend_name(name, device=device, dtype=dtype, precision=precision)
+    key = (concrete, precision)
+    if key not in _CACHE:
+        _CACHE[key] = _load(concrete, precision)
+    return _CACHE[key]
 
 
-__all__ = ["BACKEND_NAMES", "ExpertBackend", "get_backend", "resolve_backend_name"]
+__all__ = ["BACKEND_NAMES", "PRECISIONS", "ExpertBackend", "get_backend", "resolve_backend_name"]
