@@ -1,0 +1,175 @@
+"""Exact MXFP8 emulation of the expert path: the definition of correct for every MXFP8 kernel.
+
+Every expert GEMM quantises both operands to MX (:mod:`megamoe.quant.mx`: E4M3 elements, one E8M0
+scale per 32 along the GEMM's reduction dimension), dequantises them exactly, and multiplies in
+float32 (float64 for float64 inputs). Parameters, activations handed between the stages (``h``,
+``dh``) and gradients stay in the inputs' dtype; routing weights, SwiGLU and the top-k sums are
+computed in float32, as in the bf16 reference (:mod:`megamoe.backends.reference`). Runs on CPU and
+GPU, EP over any process group through :class:`~megamoe.backends.exchange.TokenExchange`.
+
+Legend: T tokens, H hidden, I intermediate, G local experts, R dispatched rows (expert-major),
+``q_r(M, X)``: MX blocks of M along dimension X; ``a = swiglu(h)``, ``w_r`` the routing weight of row r.
+
+==========  ===========================  ==========================  ===============================
+GEMM        product                      left operand                right operand
+==========  ===========================  ==========================  ===============================
+fc1 fwd     ``h = x W1^T``               ``q(x)`` rowwise along H    ``q(W1)`` along H (cache)
+fc2 fwd     ``o = a W2^T``               ``q(a)`` rowwise along I    ``q(W2)`` along I (cache)
+fc2 dgrad   ``da = dy W2``               ``q(dy)`` rowwise along H   ``q(W2^T)`` along H (cache)
+fc2 wgrad   ``dW2 = dy^T (w a)``         ``q(dy)`` along R           ``q(w a)`` along R
+fc1 dgrad   ``dx = dh W1``               ``q(dh)`` rowwise along 2I  ``q(W1^T)`` along 2I (cache)
+fc1 wgrad   ``dW1 = dh^T x``             ``q(dh)`` along R           ``q(x)`` along R
+==========  ===========================  ==========================  ===============================
+
+* Rowwise quantisation of ``x`` and ``dy`` commutes with the token exchange (each row has its own
+  scales), so a kernel may quantise at the source and send E4M3 rows + scales (half the bytes):
+  the result is bit-identical to quantising here, after the exchange.
+* Blocks along R start at each expert's first row (rows ``32j .. 32j+31`` of that expert's group,
+  the last block short): the GEMM sums within one expert, so a block never straddles two.
+* ``y = sum_k w o``, the combine and the routing-weight gradient ``dw_r = <da_r, a_r>`` stay in
+  float32 from unquantised ``a``: no MX rounding on the combine path.
+* Weight forms come from a :class:`~megamoe.quant.cache.WeightCache`, refreshed by
+  :func:`~megamoe.quant.cache.advance_weight_generation`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megamoe.backends.base import swiglu, swiglu_backward
+from megamoe.backends.exchange import TokenExchange
+from megamoe.quant.cache import WeightCache
+from megamoe.quant.mx import fake_quantize_mx
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _rowwise(rows_RX: Tensor, dtype: torch.dtype) -> Tensor:
+    """MX operand with blocks along each row, dequantised to ``dtype``."""
+    return fake_quantize_mx(rows_RX, dim=1).to(dtype)
+
+
+def _along_rows(rows_RX: Tensor, counts: list[int], dtype: torch.dtype) -> Tensor:
+    """MX operand with blocks along R inside each expert's rows (wgrad), dequantised to ``dtype``."""
+    parts = [fake_quantize_mx(chunk, dim=0) for chunk in rows_RX.split(counts)]
+    return torch.cat(parts).to(dtype) if parts else rows_RX.to(dtype)
+
+
+def _per_expert_matmul(rows_RX: Tensor, weights_GYX: Tensor, counts: list[int]) -> Tensor:
+    """``out[r] = rows[r] @ weights[expert(r)]^T``: ``[R, X] x [G, Y, X] -> [R, Y]``."""
+    out = rows_RX.new_empty((rows_RX.shape[0], weights_GYX.shape[1]))
+    for expert, (chunk, out_chunk) in enumerate(zip(rows_RX.split(counts), out.split(counts), strict=True)):
+        if chunk.shape[0]:
+            torch.matmul(chunk, weights_GYX[expert].t(), out=out_chunk)
+    return out
+
+
+def _per_expert_wgrad(left_RY: Tensor, right_RX: Tensor, counts: list[int]) -> Tensor:
+    """``dW[g] = sum_{r in g} left[r]^T right[r]``: ``[R, Y], [R, X] -> [G, Y, X]`` (zero for empty experts)."""
+    dw = left_RY.new_zeros((len(counts), left_RY.shape[1], right_RX.shape[1]))
+    for expert, (l_chunk, r_chunk) in enumerate(
+        zip(left_RY.split(counts), right_RX.split(counts), strict=True)
+    ):
+        if l_chunk.shape[0]:
+            torch.matmul(l_chunk.t(), r_chunk, out=dw[expert])
+    return dw
+
+
+class MXFP8ReferenceBackend:
+    """Per-expert float32 matmuls on exactly dequantised MX operands, around an ``all_to_all`` exchange."""
+
+    name = "mxfp8_reference"
+
+    def __init__(self, weight_cache: WeightCache | None = None) -> None:
+        self.weight_cache = weight_cache if weight_cache is not None else WeightCache()
+
+    def _weight(self, w_GYX: Tensor, *, transposed: bool, dtype: torch.dtype) -> Tensor:
+        return self.weight_cache.get(w_GYX, transposed=transposed).dequantize(dtype)
+
+    def make_plan(
+        self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
+    ) -> TokenExchange:
+        return TokenExchange.build(topk_idx_TK, num_experts=num_experts, group=group)
+
+    def stage1_forward(
+        self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: TokenExchange
+    ) -> tuple[Tensor, Tensor]:
+        cdt = _compute_dtype(x_TH.dtype)
+        x_RH = _rowwise(plan.dispatch_tokens(x_TH), cdt)
+        h_R2I = _per_expert_matmul(
+            x_RH, self._weight(w1_G2IH, transposed=False, dtype=cdt), plan.tokens_per_expert
+        )
+        return h_R2I.to(x_TH.dtype), plan.dispatch_slot_values(topk_weights_TK)
+
+    def stage1_backward(
+        self,
+        x_TH: Tensor,
+        w1_G2IH: Tensor,
+        plan: TokenExchange,
+        grad_h_R2I: Tensor,
+        grad_dispatch_weights_R: Tensor,
+        needs_grad: tuple[bool, bool, bool],
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        need_dx, need_dweights, need_dw1 = needs_grad
+        counts = plan.tokens_per_expert
+        cdt = _compute_dtype(x_TH.dtype)
+        dx = d_weights = dw1 = None
+        if need_dx:
+            w1_t = self._weight(w1_G2IH, transposed=True, dtype=cdt)  # [G, H, 2I]
+            dx_RH = _per_expert_matmul(_rowwise(grad_h_R2I, cdt), w1_t, counts)
+            dx = plan.combine_tokens(dx_RH, acc_dtype=cdt).to(x_TH.dtype)
+        if need_dweights:
+            d_weights = plan.combine_slot_values(grad_dispatch_weights_R)
+        if need_dw1:
+            x_RH = plan.dispatch_tokens(x_TH)  # recomputed: the forward kept only x
+            dw1 = _per_expert_wgrad(
+                _along_rows(grad_h_R2I, counts, cdt), _along_rows(x_RH, counts, cdt), counts
+            )
+            dw1 = dw1.to(w1_G2IH.dtype)
+        return dx, d_weights, dw1
+
+    def stage2_forward(
+        self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: TokenExchange
+    ) -> Tensor:
+        cdt = _compute_dtype(h_R2I.dtype)
+        a_RI = _rowwise(swiglu(h_R2I.to(cdt)), cdt)
+        o_RH = _per_expert_matmul(
+            a_RI, self._weight(w2_GHI, transposed=False, dtype=cdt), plan.tokens_per_expert
+        )
+        weighted = o_RH * dispatch_weights_R.to(cdt).unsqueeze(1)
+        return plan.combine_tokens(weighted, acc_dtype=cdt).to(h_R2I.dtype)
+
+    def stage2_backward(
+        self,
+        h_R2I: Tensor,
+        dispatch_weights_R: Tensor,
+        w2_GHI: Tensor,
+        plan: TokenExchange,
+        dy_TH: Tensor,
+        needs_grad: tuple[bool, bool, bool],
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        need_dh, need_dweights, need_dw2 = needs_grad
+        counts = plan.tokens_per_expert
+        cdt = _compute_dtype(h_R2I.dtype)
+        dy_RH = plan.dispatch_tokens(dy_TH.to(h_R2I.dtype))
+        h_c = h_R2I.to(cdt)
+        a_RI = swiglu(h_c)
+        weights_R1 = dispatch_weights_R.to(cdt).unsqueeze(1)
+        dh = d_weights = dw2 = None
+        if need_dh or need_dweights:
+            w2_t = self._weight(w2_GHI, transposed=True, dtype=cdt)  # [G, I, H]
+            da_unweighted_RI = _per_expert_matmul(_rowwise(dy_RH, cdt), w2_t, counts)
+            if need_dweights:
+                d_weights = (da_unweighted_RI * a_RI).sum(1).to(dispatch_weights_R.dtype)
+            if need_dh:
+                dh = swiglu_backward(h_c, da_unweighted_RI * weights_R1).to(h_R2I.dtype)
+        if need_dw2:
+            dw2 = _per_expert_wgrad(
+                _along_rows(dy_RH, counts, cdt), _along_rows(a_RI * weights_R1, counts, cdt), counts
+            )
+            dw2 = dw2.to(w2_GHI.dtype)
+        return dh, d_weights, dw2

@@ -1,0 +1,129 @@
+"""Quantised expert weights, cached per weight and refreshed once per optimizer step.
+
+The MXFP8 path multiplies every weight in two MX forms: *rowwise* (``w [G, Y, X]`` in blocks along X,
+the forward operand) and *transposed* (``w^T [G, X, Y]`` stored contiguous, blocks along Y, the
+dgrad operand). Quantising them costs a pass over the weights, so each form is kept per weight and
+served again while the weight is unchanged: across gradient-accumulation micro-batches, activation
+recompute, warm-up and eval.
+
+"Unchanged" is the stamp ``(weight_generation, w._version, w.data_ptr())``. ``w._version`` alone is
+not enough: optimizers that write parameters through ``.data`` or through a flat buffer that aliases
+them (megatron-core's distributed optimizer does) never bump it. So the trainer calls
+:func:`advance_weight_generation` once per optimizer step, which makes every entry stale at once.
+Until the first call, nothing is served from the cache (every use re-quantises): a caller that never
+advances the generation can never see a stale weight, it only pays the quantisation.
+
+Bugs of the design this replaces, and how this one avoids them:
+
+* the transposed form lived in a second cache that was never invalidated, so dgrad used step-0
+  weights for a whole run: here both forms share one stamp rule and one code path;
+* re-allocating the cached tensors on refresh grew memory every step: here an entry's buffers are
+  allocated once and rewritten in place (same ``data_ptr`` for the life of the weight);
+* keying on ``data_ptr`` can serve a dead weight's entry to a new tensor at the same address: here an
+  entry belongs to one live tensor object (weak reference) and dies with it.
+
+During CUDA graph capture every use re-quantises (into the same buffers), so a replay after an
+optimizer step reads the new weights.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megamoe.quant.mx import MXTensor, empty_mx, quantize_mx
+
+_generation = 0
+
+
+def advance_weight_generation() -> int:
+    """Mark every cached quantised weight stale; call once after each optimizer step. Returns the new generation."""
+    global _generation
+    _generation += 1
+    return _generation
+
+
+def weight_generation() -> int:
+    """How many times :func:`advance_weight_generation` has been called in this process."""
+    return _generation
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _stamp(w: Tensor) -> tuple[int, int, int] | None:
+    """What must be equal for a cached form of ``w`` to be served; None when it must be re-quantised."""
+    if _generation == 0 or w.is_inference() or _capturing(w.device):
+        return None
+    return (_generation, w._version, w.data_ptr())
+
+
+@dataclass(slots=True)
+class _Entry:
+    ref: weakref.ref
+    mx: MXTensor
+    stamp: tuple[int, int, int] | None
+
+
+class WeightCache:
+    """MX forms of weights ``[G, Y, X]``, one entry per (live weight tensor, form), rewritten in place."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, bool], _Entry] = {}
+        self.hits = 0
+        """forms served without quantising (for tests and logs)."""
+        self.misses = 0
+        """forms (re)quantised."""
+
+    def get(self, w: Tensor, *, transposed: bool) -> MXTensor:
+        """``w`` in MX form: blocks along its last dim, or (``transposed``) ``w^T [G, X, Y]`` in blocks along Y."""
+        if w.dim() != 3:
+            raise ValueError(f"w: expected an expert weight [G, Y, X], got shape {tuple(w.shape)}")
+        key = (id(w), transposed)
+        source = w.transpose(1, 2) if transposed else w
+        entry = self._entries.get(key)
+        if (
+            entry is None
+            or entry.ref() is not w
+            or entry.mx.shape != source.shape
+            or entry.mx.data.device != w.device
+        ):
+            entry = self._new_entry(key, w, source)
+        stamp = _stamp(w)
+        if stamp is not None and stamp == entry.stamp:
+            self.hits += 1
+            return entry.mx
+        quantize_mx(source, dim=-1, out=entry.mx)
+        entry.stamp = stamp
+        self.misses += 1
+        return entry.mx
+
+    def _new_entry(self, key: tuple[int, bool], w: Tensor, source: Tensor) -> _Entry:
+        entries = self._entries
+
+        def forget(ref: weakref.ref) -> None:
+            if key in entries and entries[key].ref is ref:
+                del entries[key]
+
+        entry = _Entry(ref=weakref.ref(w, forget), mx=empty_mx(tuple(source.shape), -1, w.device), stamp=None)
+        entries[key] = entry
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all cached forms."""
+        return sum(entry.mx.nbytes for entry in self._entries.values())
+
+    def buffers(self) -> list[tuple[int, int]]:
+        """``(data_ptr, scale_ptr)`` of every entry: constant while the cache rewrites in place."""
+        return [(e.mx.data.data_ptr(), e.mx.scale.data_ptr()) for e in self._entries.values()]
+
+    def clear(self) -> None:
+        self._entries.clear()
