@@ -5,6 +5,7 @@ The public surface is ``__all__`` below; everything else is internal.
 
 from megamoe.errors import InvalidConfigError, MegaMoEError, UnsupportedSettingError
 from megamoe.ops import MegaMoEHandle, dispatch_grouped_gemm, fused_mega_moe, grouped_gemm_combine
+from megamoe.quant import advance_weight_generation
 from megamoe.router import AuxLossScaler, MegaMoERouter, RouterConfig, RouterOutput, topk_routing
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ __all__ = [
     "RouterConfig",
     "RouterOutput",
     "UnsupportedSettingError",
+    "advance_weight_generation",
     "dispatch_grouped_gemm",
     "fused_mega_moe",
     "grouped_gemm_combine",
