@@ -247,13 +247,18 @@ class MegaMoERouter(nn.Module):
         reduce_group: dist.ProcessGroup | None = None,
         attach: AuxLossAttach = attach_aux_loss,
         weight_dtype: torch.dtype = torch.float32,
+        init_method: Callable[[Tensor], object] | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.reduce_group = reduce_group
         self.attach = attach
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=weight_dtype))
-        nn.init.normal_(self.weight, std=1.0 / math.sqrt(hidden_size))
+        weight = torch.empty(cfg.num_experts, hidden_size, dtype=torch.float32)
+        if init_method is None:
+            nn.init.normal_(weight, std=1.0 / math.sqrt(hidden_size))
+        else:
+            init_method(weight)
+        self.weight = nn.Parameter(weight.to(weight_dtype))
 
     def logits(self, x_TH: Tensor) -> Tensor:
         return x_TH.to(self.cfg.dtype) @ self.weight.to(self.cfg.dtype).t()

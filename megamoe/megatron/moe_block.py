@@ -88,10 +88,9 @@ class MegaMoEBlock(MegatronModule):
             config.hidden_size,
             reduce_group=pg.tp_cp,
             attach=self._attach_aux_loss,
+            weight_dtype=config.params_dtype,  # megatron: fp32 init, then params_dtype
+            init_method=config.init_method if config.perform_initialization else (lambda w: None),
         )
-        if config.perform_initialization:
-            config.init_method(self.router.weight)  # megatron: fp32 init, then params_dtype
-        self.router.weight.data = self.router.weight.data.to(config.params_dtype)
 
         ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
         self.experts = MegaMoEExperts(
