@@ -1,0 +1,155 @@
+"""Triton expert backend: fused dispatch + grouped GEMM + SwiGLU + combine, forward and backward.
+
+Legend: T tokens, H hidden, I intermediate, G local experts, K top-k, R rows this rank computes.
+
+One GPU (no group, or a group of one): the plan is device-side routing tables of static shape
+(R = T*K rows, dropped slots padded at the end), so nothing syncs with the host and the op captures
+in a CUDA graph. The dispatch is a row gather inside GEMM1 and inside the dW1 / dgrad-2 kernels, so
+no dispatched copy of ``x`` exists; SwiGLU runs in GEMM2's operand load (forward) and in GEMM2-dgrad's
+epilogue (backward); the combine is a deterministic fixed-order gather-reduce.
+
+EP > 1: tokens travel by NCCL ``all_to_all_single`` (:class:`~megamoe.backends.exchange.TokenExchange`,
+which reads the split sizes on the host) around the same Triton expert kernels, which then see the
+received rows as R "tokens" with one slot each. The fully fused symmetric-memory path is later work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megamoe.backends.exchange import TokenExchange
+from megamoe.backends.triton import ops
+from megamoe.backends.triton.configs import block_m
+from megamoe.backends.triton.routing import RoutingPlan, build_routing_plan
+
+
+@dataclass(frozen=True, slots=True)
+class TritonPlan:
+    """Routing of the rows the kernels compute; ``exchange`` moves them between EP ranks (None: one GPU)."""
+
+    routing: RoutingPlan
+    exchange: TokenExchange | None
+
+    def tables(self) -> tuple[int, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        r = self.routing
+        return (r.block_m, r.row_token_R, r.slot_row_S, r.expert_start_G1, r.tiles_X3, r.num_tiles_1)
+
+
+def _ep_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
+
+
+class TritonBackend:
+    """Implements :class:`~megamoe.backends.base.ExpertBackend` with the kernels of this package."""
+
+    name = "triton"
+
+    def make_plan(
+        self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
+    ) -> TritonPlan:
+        ep = _ep_size(group)
+        bm = block_m(topk_idx_TK.device)
+        if ep == 1:
+            return TritonPlan(build_routing_plan(topk_idx_TK, num_experts=num_experts, block_m=bm), None)
+        exchange = TokenExchange.build(topk_idx_TK, num_experts=num_experts, group=group)
+        counts = torch.tensor(exchange.tokens_per_expert, device=topk_idx_TK.device)
+        local_expert_R1 = torch.repeat_interleave(
+            torch.arange(counts.numel(), device=topk_idx_TK.device), counts
+        ).unsqueeze(1)
+        routing = build_routing_plan(local_expert_R1, num_experts=exchange.num_local_experts, block_m=bm)
+        return TritonPlan(routing, exchange)
+
+    def stage1_forward(
+        self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: TritonPlan
+    ) -> tuple[Tensor, Tensor]:
+        r = plan.routing
+        if plan.exchange is None:
+            rows = x_TH.contiguous()
+            weights_R = topk_weights_TK.reshape(-1).index_select(0, r.row_slot_R)
+            weights_R = torch.where(r.row_is_valid_R(), weights_R, torch.zeros_like(weights_R))
+        else:
+            rows = plan.exchange.dispatch_tokens(x_TH.contiguous())
+            weights_R = plan.exchange.dispatch_slot_values(topk_weights_TK)
+        h = ops.gemm1_forward(rows, w1_G2IH.contiguous(), r.topk, *plan.tables())
+        return h, weights_R
+
+    def stage1_backward(
+        self,
+        x_TH: Tensor,
+        w1_G2IH: Tensor,
+        plan: TritonPlan,
+        grad_h_R2I: Tensor,
+        grad_dispatch_weights_R: Tensor,
+        needs_grad: tuple[bool, bool, bool],
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        need_dx, need_dweights, need_dw1 = needs_grad
+        r = plan.routing
+        ex = plan.exchange
+        rows = x_TH.contiguous() if ex is None else ex.dispatch_tokens(x_TH.contiguous())
+        dx = dw1 = d_weights = None
+        if need_dx or need_dw1:
+            dx_rows, dw1 = ops.gemm1_backward(
+                rows, w1_G2IH.contiguous(), grad_h_R2I.contiguous(), need_dx, need_dw1, r.topk, *plan.tables()
+            )
+            if need_dx:
+                dx = (
+                    dx_rows
+                    if ex is None
+                    else ex.combine_tokens(dx_rows, acc_dtype=torch.float32).to(x_TH.dtype)
+                )
+            dw1 = dw1 if need_dw1 else None
+        if need_dweights:
+            if ex is None:
+                slot_row = r.slot_row_S
+                picked = grad_dispatch_weights_R.index_select(0, slot_row.clamp(min=0))
+                d_weights = torch.where(slot_row >= 0, picked, torch.zeros_like(picked)).view(
+                    r.num_tokens, r.topk
+                )
+            else:
+                d_weights = ex.combine_slot_values(grad_dispatch_weights_R)
+        return dx, d_weights, dw1
+
+    def stage2_forward(
+        self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: TritonPlan
+    ) -> Tensor:
+        r = plan.routing
+        y = ops.gemm2_combine_forward(
+            h_R2I.contiguous(),
+            dispatch_weights_R.contiguous(),
+            w2_GHI.contiguous(),
+            r.num_tokens,
+            r.topk,
+            *plan.tables(),
+        )
+        if plan.exchange is None:
+            return y
+        return plan.exchange.combine_tokens(y, acc_dtype=torch.float32).to(h_R2I.dtype)
+
+    def stage2_backward(
+        self,
+        h_R2I: Tensor,
+        dispatch_weights_R: Tensor,
+        w2_GHI: Tensor,
+        plan: TritonPlan,
+        dy_TH: Tensor,
+        needs_grad: tuple[bool, bool, bool],
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        need_dh, need_dweights, need_dw2 = needs_grad
+        r = plan.routing
+        dy = dy_TH.to(h_R2I.dtype).contiguous()
+        if plan.exchange is not None:
+            dy = plan.exchange.dispatch_tokens(dy)
+        dh, d_weights, dw2 = ops.gemm2_backward(
+            h_R2I.contiguous(),
+            dispatch_weights_R.contiguous(),
+            w2_GHI.contiguous(),
+            dy,
+            need_dw2,
+            r.topk,
+            *plan.tables(),
+        )
+        return (dh if need_dh else None, d_weights if need_dweights else None, dw2 if need_dw2 else None)

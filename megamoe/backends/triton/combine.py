@@ -1,0 +1,67 @@
+"""Weighted top-k combine: ``y[t] = sum_k w[row(t, k)] * rows[row(t, k)]``, a deterministic gather-reduce.
+
+Legend: T tokens, K top-k, H columns, R expert-sorted rows.
+
+    for (t, h_block) in grid:
+        acc = 0                                   # float32
+        for k in range(K):                        # fixed order: the same bits on every run
+            r = slot_row[t * K + k]
+            if r >= 0: acc += w[r] * rows[r, h_block]   (w = 1 without weights)
+        y[t, h_block] = acc
+
+It follows the grouped GEMM instead of living in its epilogue: an epilogue scatter would need float
+atomics (a different sum order each run), and one extra pass over the rows is a few percent of GEMM2.
+The same kernel reduces the dgrad rows into ``dx`` in backward (no weights there).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _combine_kernel(
+    rows_ptr,
+    slot_row_ptr,
+    weight_ptr,
+    out_ptr,
+    H,
+    K: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(K):
+        r = tl.load(slot_row_ptr + t * K + k)
+        if r >= 0:
+            v = tl.load(rows_ptr + r.to(tl.int64) * H + offs, mask=mask, other=0.0).to(tl.float32)
+            if WEIGHTED:
+                v = v * tl.load(weight_ptr + r).to(tl.float32)
+            acc += v
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine(
+    rows_RH: Tensor, slot_row_S: Tensor, out_TH: Tensor, *, topk: int, weights_R: Tensor | None
+) -> None:
+    """Write ``out_TH`` from the expert-sorted ``rows_RH`` (``weights_R`` scales each row first)."""
+    T, H = out_TH.shape
+    if T == 0:
+        return
+    block_h = min(triton.next_power_of_2(H), 2048)
+    _combine_kernel[(T, triton.cdiv(H, block_h))](
+        rows_RH,
+        slot_row_S,
+        weights_R,
+        out_TH,
+        H,
+        K=topk,
+        WEIGHTED=weights_R is not None,
+        BLOCK_H=block_h,
+        num_warps=4 if block_h <= 1024 else 8,
+    )

@@ -1,0 +1,66 @@
+"""Launch configurations of the Triton kernels, chosen from static shapes only (no autotuning).
+
+Autotuning would time kernels on the first call, which is a host sync and breaks CUDA-graph capture;
+the table below was measured on one H200 (docs/kernels.md). Under ``TRITON_INTERPRET=1`` on the CPU
+the tiles are tiny so the logic tests stay fast.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK_M_GPU = 128
+BLOCK_M_CPU = 16
+
+_GPU = {
+    # op: BLOCK_N, BLOCK_K, num_warps, num_stages
+    "gemm1": (256, 64, 8, 3),
+    "gemm2": (256, 64, 8, 3),
+    "dgrad1": (256, 64, 8, 3),
+    "dgrad2": (128, 64, 8, 4),
+}
+_WGRAD_GPU = (128, 256, 64, 8, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+
+OVERRIDES: dict[str, dict] = {}
+"""Per-op overrides (``{"gemm1": {"BLOCK_N": 128}}``); the benchmark's tuning sweep sets these."""
+
+
+def block_m(device: torch.device) -> int:
+    """Rows per tile of the routing plan and of every M-grouped GEMM."""
+    return BLOCK_M_GPU if device.type == "cuda" else BLOCK_M_CPU
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per multiprocessor (4 in the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def gemm_config(op: str, device: torch.device) -> dict:
+    """Tile shape of the M-grouped GEMM ``op`` (gemm1, gemm2, dgrad1, dgrad2)."""
+    if device.type != "cuda":
+        cfg = {"BLOCK_M": BLOCK_M_CPU, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
+    else:
+        bn, bk, warps, stages = _GPU[op]
+        cfg = {"BLOCK_M": BLOCK_M_GPU, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+    cfg.update(OVERRIDES.get(op, {}))
+    return cfg
+
+
+def wgrad_config(device: torch.device) -> dict:
+    """Tile shape of the K-grouped weight-gradient GEMM."""
+    if device.type != "cuda":
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
+    else:
+        bm, bn, bk, warps, stages = _WGRAD_GPU
+        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+    cfg.update(OVERRIDES.get("wgrad", {}))
+    return cfg

@@ -1,0 +1,237 @@
+"""The four expert-path steps as ``torch.library`` custom ops over the Triton kernels.
+
+Legend: T tokens, H hidden, I intermediate, G local experts, K top-k, R = T*K expert-sorted rows.
+
+Custom ops make each step one opaque node for torch.compile (dynamo never traces a Triton launch or
+its TMA descriptors) and keep every shape static, so the steps also capture in a CUDA graph. The
+routing plan travels as its tensors; the launch configuration is chosen from static shapes only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megamoe.backends.triton.combine import combine
+from megamoe.backends.triton.configs import gemm_config, num_programs, wgrad_config
+from megamoe.backends.triton.grouped_gemm import grouped_gemm
+from megamoe.backends.triton.padding import zero_padding_rows
+from megamoe.backends.triton.routing import RoutingPlan
+from megamoe.backends.triton.wgrad import grouped_wgrad
+
+
+def _plan(
+    T: int,
+    K: int,
+    G: int,
+    block_m: int,
+    row_token_R: Tensor,
+    slot_row_S: Tensor,
+    expert_start_G1: Tensor,
+    tiles_X3: Tensor,
+    num_tiles_1: Tensor,
+) -> RoutingPlan:
+    return RoutingPlan(
+        num_tokens=T,
+        topk=K,
+        num_experts=G,
+        block_m=block_m,
+        row_slot_R=row_token_R,  # unused by the kernels
+        row_token_R=row_token_R,
+        slot_row_S=slot_row_S,
+        expert_start_G1=expert_start_G1,
+        tiles_X3=tiles_X3,
+        num_tiles_1=num_tiles_1,
+    )
+
+
+def _valid_rows(plan: RoutingPlan, values_R: Tensor) -> Tensor:
+    return torch.where(
+        plan.row_is_valid_R(), values_R, torch.zeros((), dtype=values_R.dtype, device=values_R.device)
+    )
+
+
+@torch.library.custom_op("megamoe_triton::gemm1_forward", mutates_args=())
+def gemm1_forward(
+    x_TH: Tensor,
+    w1_G2IH: Tensor,
+    topk: int,
+    block_m: int,
+    row_token_R: Tensor,
+    slot_row_S: Tensor,
+    expert_start_G1: Tensor,
+    tiles_X3: Tensor,
+    num_tiles_1: Tensor,
+) -> Tensor:
+    """``h [R, 2I] = x[row_token] @ W1[expert]^T`` (dispatch fused as a row gather); padding rows zero."""
+    T, G, two_i = x_TH.shape[0], w1_G2IH.shape[0], w1_G2IH.shape[1]
+    plan = _plan(T, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1)
+    h = x_TH.new_empty(T * topk, two_i)
+    if h.numel():
+        cfg = gemm_config("gemm1", x_TH.device)
+        grouped_gemm(
+            x_TH,
+            w1_G2IH,
+            h,
+            plan,
+            a_mode=1,
+            b_kn=False,
+            config=cfg,
+            num_sms=num_programs(x_TH.device),
+            a_rows=row_token_R,
+        )
+        zero_padding_rows(h, expert_start_G1)
+    return h
+
+
+@gemm1_forward.register_fake
+def _(x_TH, w1_G2IH, topk, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1):
+    return x_TH.new_empty(x_TH.shape[0] * topk, w1_G2IH.shape[1])
+
+
+@torch.library.custom_op("megamoe_triton::gemm2_combine_forward", mutates_args=())
+def gemm2_combine_forward(
+    h_R2I: Tensor,
+    dispatch_weights_R: Tensor,
+    w2_GHI: Tensor,
+    num_tokens: int,
+    topk: int,
+    block_m: int,
+    row_token_R: Tensor,
+    slot_row_S: Tensor,
+    expert_start_G1: Tensor,
+    tiles_X3: Tensor,
+    num_tiles_1: Tensor,
+) -> Tensor:
+    """``y [T, H] = sum_k w * (silu(gate) * up) @ W2^T``: SwiGLU fused into the A load, then the combine."""
+    G, H, inter = w2_GHI.shape
+    plan = _plan(
+        num_tokens, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1
+    )
+    y = h_R2I.new_empty(num_tokens, H)
+    if h_R2I.shape[0] == 0:
+        return y.zero_()
+    o = h_R2I.new_empty(h_R2I.shape[0], H)
+    cfg = gemm_config("gemm2", h_R2I.device)
+    grouped_gemm(h_R2I, w2_GHI, o, plan, a_mode=2, b_kn=False, config=cfg, num_sms=num_programs(h_R2I.device))
+    combine(o, slot_row_S, y, topk=topk, weights_R=dispatch_weights_R)
+    return y
+
+
+@gemm2_combine_forward.register_fake
+def _(h_R2I, dispatch_weights_R, w2_GHI, num_tokens, *_):
+    return h_R2I.new_empty(num_tokens, w2_GHI.shape[1])
+
+
+@torch.library.custom_op("megamoe_triton::gemm2_backward", mutates_args=())
+def gemm2_backward(
+    h_R2I: Tensor,
+    dispatch_weights_R: Tensor,
+    w2_GHI: Tensor,
+    dy_TH: Tensor,
+    need_dw2: bool,
+    topk: int,
+    block_m: int,
+    row_token_R: Tensor,
+    slot_row_S: Tensor,
+    expert_start_G1: Tensor,
+    tiles_X3: Tensor,
+    num_tiles_1: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Return ``(dh [R, 2I], d_dispatch_weights [R], dW2 [G, H, I])`` (dW2 empty unless asked for).
+
+    One grouped GEMM ``da = dy[row_token] @ W2`` whose epilogue does the SwiGLU backward with the
+    routing weight, the unweighted ``<da, a>`` per row (the routing-weight gradient) and ``w * a`` for
+    dW2; then the K-grouped ``dW2 = dy^T (w * a)``.
+    """
+    G, H, inter = w2_GHI.shape
+    T = dy_TH.shape[0]
+    plan = _plan(T, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1)
+    R = h_R2I.shape[0]
+    dh = h_R2I.new_empty(R, 2 * inter)
+    d_weights = torch.zeros(R, dtype=dispatch_weights_R.dtype, device=h_R2I.device)
+    dw2 = torch.zeros_like(w2_GHI) if need_dw2 else w2_GHI.new_empty(0)
+    if R == 0:
+        return dh, d_weights, dw2
+    cfg = gemm_config("dgrad2", h_R2I.device)
+    num_n = -(-inter // cfg["BLOCK_N"])
+    aw = h_R2I.new_empty(R, inter)
+    dw_part = torch.empty(R, num_n, dtype=torch.float32, device=h_R2I.device)
+    grouped_gemm(
+        dy_TH,
+        w2_GHI,
+        dh,
+        plan,
+        a_mode=1,
+        b_kn=True,
+        config=cfg,
+        num_sms=num_programs(h_R2I.device),
+        a_rows=row_token_R,
+        h=h_R2I,
+        scale=dispatch_weights_R,
+        aw=aw,
+        dw_part=dw_part,
+    )
+    zero_padding_rows(dh, expert_start_G1)
+    d_weights = _valid_rows(plan, dw_part.sum(1)).to(dispatch_weights_R.dtype)
+    if need_dw2:
+        grouped_wgrad(dy_TH, aw, dw2, plan, config=wgrad_config(h_R2I.device), p_rows=row_token_R)
+    return dh, d_weights, dw2
+
+
+@gemm2_backward.register_fake
+def _(h_R2I, dispatch_weights_R, w2_GHI, dy_TH, need_dw2, *_):
+    R, two_i = h_R2I.shape
+    dw2 = w2_GHI.new_empty(w2_GHI.shape) if need_dw2 else w2_GHI.new_empty(0)
+    return h_R2I.new_empty(R, two_i), dispatch_weights_R.new_empty(R), dw2
+
+
+@torch.library.custom_op("megamoe_triton::gemm1_backward", mutates_args=())
+def gemm1_backward(
+    x_TH: Tensor,
+    w1_G2IH: Tensor,
+    grad_h_R2I: Tensor,
+    need_dx: bool,
+    need_dw1: bool,
+    topk: int,
+    block_m: int,
+    row_token_R: Tensor,
+    slot_row_S: Tensor,
+    expert_start_G1: Tensor,
+    tiles_X3: Tensor,
+    num_tiles_1: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Return ``(dx [T, H], dW1 [G, 2I, H])``: dgrad ``dh @ W1`` reduced over the K slots, and the
+    K-grouped ``dW1 = dh^T x[row_token]`` (the dispatch of ``x`` recomputed as a gather)."""
+    T, H = x_TH.shape
+    G, two_i, _ = w1_G2IH.shape
+    plan = _plan(T, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1)
+    R = grad_h_R2I.shape[0]
+    dx = x_TH.new_zeros(T, H) if need_dx else x_TH.new_empty(0)
+    dw1 = torch.zeros_like(w1_G2IH) if need_dw1 else w1_G2IH.new_empty(0)
+    if R == 0:
+        return dx, dw1
+    if need_dx:
+        dx_rows = x_TH.new_empty(R, H)
+        cfg = gemm_config("dgrad1", x_TH.device)
+        grouped_gemm(
+            grad_h_R2I,
+            w1_G2IH,
+            dx_rows,
+            plan,
+            a_mode=0,
+            b_kn=True,
+            config=cfg,
+            num_sms=num_programs(x_TH.device),
+        )
+        combine(dx_rows, slot_row_S, dx, topk=topk, weights_R=None)
+    if need_dw1:
+        grouped_wgrad(grad_h_R2I, x_TH, dw1, plan, config=wgrad_config(x_TH.device), q_rows=row_token_R)
+    return dx, dw1
+
+
+@gemm1_backward.register_fake
+def _(x_TH, w1_G2IH, grad_h_R2I, need_dx, need_dw1, *_):
+    dx = x_TH.new_empty(x_TH.shape) if need_dx else x_TH.new_empty(0)
+    dw1 = w1_G2IH.new_empty(w1_G2IH.shape) if need_dw1 else w1_G2IH.new_empty(0)
+    return dx, dw1
