@@ -45,7 +45,9 @@ def _ep_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def _validate(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor | None, ep: int) -> None:
+def _validate(
+    x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor | None, ep: int
+) -> None:
     """Check shapes, dtypes and expert ids against the layer contract; raise naming the tensor."""
     if x.dim() != 2:
         raise shape_error("x", x.shape, "[T, H]")
@@ -85,7 +87,9 @@ def _validate(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Tensor, w2:
         )
 
 
-def _agree_on_errors(error: MegaMoEError | None, group: dist.ProcessGroup | None, device: torch.device) -> None:
+def _agree_on_errors(
+    error: MegaMoEError | None, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
     """Every EP rank raises if any rank's input is bad, instead of the good ranks hanging in a collective.
 
     Only for CPU process groups: on GPUs the flag exchange would be a host sync in every forward, and
@@ -95,7 +99,9 @@ def _agree_on_errors(error: MegaMoEError | None, group: dist.ProcessGroup | None
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if error is None and int(flag.item()):
-            raise InvalidConfigError("group", "peer", "another EP rank passed invalid MegaMoE inputs (see its error)")
+            raise InvalidConfigError(
+                "group", "peer", "another EP rank passed invalid MegaMoE inputs (see its error)"
+            )
     if error is not None:
         raise error
 

@@ -49,7 +49,10 @@ def _load(name: str, precision: str) -> ExpertBackend:
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             raise UnsupportedSettingError(
-                "backend", name, "triton is not installed", "pip install 'megamoe[cuda]' or use backend='reference'"
+                "backend",
+                name,
+                "triton is not installed",
+                "pip install 'megamoe[cuda]' or use backend='reference'",
             )
         from megamoe.backends.triton.backend import TritonBackend
 

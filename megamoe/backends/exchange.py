@@ -73,7 +73,9 @@ class TokenExchange:
         return torch.div(self.send_slots_S, self.topk, rounding_mode="floor")
 
     @classmethod
-    def build(cls, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None) -> TokenExchange:
+    def build(
+        cls, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
+    ) -> TokenExchange:
         W, _ = _group_size_rank(group)
         T, K = topk_idx_TK.shape
         G = num_experts // W
@@ -115,7 +117,9 @@ class TokenExchange:
         source_major[self.recv_perm_R] = rows_RX
         if self.ep_size == 1:
             return source_major
-        return _all_to_all(source_major, int(self.send_slots_S.numel()), self.send_splits, self.recv_splits, self.group)
+        return _all_to_all(
+            source_major, int(self.send_slots_S.numel()), self.send_splits, self.recv_splits, self.group
+        )
 
     def dispatch_tokens(self, x_TH: Tensor) -> Tensor:
         """Rows of ``x`` for every valid slot, at their experts: ``[R, H]``."""

@@ -25,9 +25,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _per_expert_matmul(rows_RX: Tensor, weights_GYX: Tensor, counts: list[int]) -> Tensor:
     """``out[r] = rows[r] @ weights[expert(r)]^T``: ``[R, X] x [G, Y, X] -> [R, Y]``."""
     out = rows_RX.new_empty((rows_RX.shape[0], weights_GYX.shape[1]))
-    for expert, (chunk, out_chunk) in enumerate(
-        zip(rows_RX.split(counts), out.split(counts), strict=True)
-    ):
+    for expert, (chunk, out_chunk) in enumerate(zip(rows_RX.split(counts), out.split(counts), strict=True)):
         if chunk.shape[0]:
             torch.matmul(chunk, weights_GYX[expert].t(), out=out_chunk)
     return out
@@ -36,11 +34,13 @@ def _per_expert_matmul(rows_RX: Tensor, weights_GYX: Tensor, counts: list[int]) 
 def _per_expert_wgrad(grad_RY: Tensor, rows_RX: Tensor, counts: list[int], like: Tensor) -> Tensor:
     """``dW[g] = sum_{r in g} grad[r]^T rows[r]``: ``[R, Y], [R, X] -> [G, Y, X]`` (zero for empty experts)."""
     dw = torch.zeros_like(like)
-    for expert, (g_chunk, x_chunk) in enumerate(zip(grad_RY.split(counts), rows_RX.split(counts), strict=True)):
+    for expert, (g_chunk, x_chunk) in enumerate(
+        zip(grad_RY.split(counts), rows_RX.split(counts), strict=True)
+    ):
         if g_chunk.shape[0]:
-            dw[expert] = (g_chunk.to(_acc_dtype(g_chunk.dtype)).t() @ x_chunk.to(_acc_dtype(x_chunk.dtype))).to(
-                like.dtype
-            )
+            dw[expert] = (
+                g_chunk.to(_acc_dtype(g_chunk.dtype)).t() @ x_chunk.to(_acc_dtype(x_chunk.dtype))
+            ).to(like.dtype)
     return dw
 
 
@@ -49,7 +49,9 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def make_plan(self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None) -> TokenExchange:
+    def make_plan(
+        self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
+    ) -> TokenExchange:
         return TokenExchange.build(topk_idx_TK, num_experts=num_experts, group=group)
 
     def stage1_forward(
@@ -87,7 +89,9 @@ class ReferenceBackend:
     ) -> Tensor:
         a_RI = swiglu(h_R2I)
         o_RH = _per_expert_matmul(a_RI, w2_GHI, plan.tokens_per_expert)
-        weighted = o_RH.to(_acc_dtype(o_RH.dtype)) * dispatch_weights_R.to(_acc_dtype(o_RH.dtype)).unsqueeze(1)
+        weighted = o_RH.to(_acc_dtype(o_RH.dtype)) * dispatch_weights_R.to(_acc_dtype(o_RH.dtype)).unsqueeze(
+            1
+        )
         return plan.combine_tokens(weighted, acc_dtype=_acc_dtype(h_R2I.dtype)).to(h_R2I.dtype)
 
     def stage2_backward(
