@@ -1,0 +1,231 @@
+"""primus-cli: click commands only; parsing lives in chain.py, plans in modes/, processes in execute.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from runner import __version__, chain, execute, templates
+from runner import config as config_mod
+from runner import host as host_mod
+from runner.chain import Request
+from runner.logs import setup_logging
+from runner.modes import build_plan
+
+logger = logging.getLogger(__name__)
+
+CMD_HELP = """
+\b
+<cmd> is one of:
+  train pretrain --config FILE [--key value ...]   the trainer (torchrun -m megamoe.train ...)
+  --script FILE [args ...]                          any script under torchrun
+\b
+Every mode also takes --dry-run (print the plan, run nothing), --plan-json (the plan as JSON),
+--debug and --config FILE (launcher config) before <cmd>.
+"""
+
+
+@dataclass(kw_only=True)
+class GlobalOpts:
+    config: str | None
+    debug: bool
+    dry_run: bool
+    plan_json: bool
+
+
+class ChainCommand(click.Command):
+    """A mode: its tokens go to chain.parse_chain untouched (click would eat `--` and slurm flags)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["chain_args"] = list(args)
+        return []
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(dir_okay=False),
+    help="Launcher config YAML (layered on top of ~/.primus.yaml and ./.primus.yaml).",
+)
+@click.option("--debug", is_flag=True, help="Verbose launcher logs.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print every command of the chain; run nothing (no hook, container or job).",
+)
+@click.option("--plan-json", is_flag=True, help="Print the plan as JSON; run nothing.")
+@click.version_option(__version__, prog_name="primus-cli")
+@click.pass_context
+def main(ctx: click.Context, config: str | None, debug: bool, dry_run: bool, plan_json: bool) -> None:
+    """Launch MegaMoE trainings directly, in containers, or on Slurm (Primus-compatible grammar).
+
+    \b
+    primus-cli direct [opts] [--] <cmd>
+    primus-cli container [--image I] [--runtime docker|podman] [opts] [--] [direct opts] [--] <cmd>
+    primus-cli slurm [srun|sbatch] [slurm flags] -- [container|direct] [opts] [--] <cmd>
+    """
+    ctx.obj = GlobalOpts(config=config, debug=debug, dry_run=dry_run, plan_json=plan_json)
+    setup_logging(debug)
+
+
+def _launch(mode: str) -> None:
+    ctx = click.get_current_context()
+    glob: GlobalOpts = ctx.obj
+    parsed = chain.parse_chain(mode, ctx.meta["chain_args"])
+    if parsed.help_for:
+        cmd = main.commands[parsed.help_for]
+        with click.Context(cmd, info_name=parsed.help_for, parent=ctx.parent) as sub:
+            click.echo(cmd.get_help(sub))
+        return
+    if parsed.debug:
+        setup_logging(True)
+    cli_layer = list(parsed.cli_layer)
+    env = dict(os.environ)
+    env_layer = [("container.image", env["DOCKER_IMAGE"])] if env.get("DOCKER_IMAGE") else []
+    config_file = glob.config or parsed.config_file
+    resolved = config_mod.resolve(
+        home=Path.home(),
+        cwd=Path.cwd(),
+        config_file=Path(config_file) if config_file else None,
+        env_layer=env_layer,
+        cli_layer=cli_layer,
+    )
+    cfg = resolved.config
+    modes = [cfg.slurm.entry if m == "<entry>" else m for m in parsed.chain]
+    if cfg.slurm.entry == "direct" and "<entry>" in parsed.chain:
+        modes = [m for m in modes if m != "direct"] + ["direct"]
+    for name, value in parsed.env_values.items():
+        if value is not None:
+            env[name] = value
+        elif name not in env:
+            logger.warning("--env %s: not set in this environment; nothing to forward", name)
+    assert parsed.command is not None
+    req = Request(
+        chain=tuple(dict.fromkeys(modes)),
+        command=parsed.command,
+        config=cfg,
+        launcher=(parsed.launcher or cfg.slurm.launcher) if modes[0] == "slurm" else None,  # type: ignore[arg-type]
+        slurm_flags=chain.merge_slurm_flags(cfg, parsed.slurm_cli_flags) if modes[0] == "slurm" else (),
+        env_names=tuple(n for n in parsed.env_values if n in env),
+        volumes=tuple(parsed.volumes),
+        devices=tuple(parsed.devices),
+        ulimits=tuple(parsed.ulimits),
+        skip_hooks=tuple(parsed.skip_hooks),
+        clean=parsed.clean,
+        follow=parsed.follow,
+        cwd=str(Path.cwd()),
+    )
+    dry_run = glob.dry_run or parsed.dry_run or cfg.main.dry_run
+    plan_json = glob.plan_json or parsed.plan_json
+    host = host_mod.gather(env)
+    plan, node = build_plan(req, host, dry_run=dry_run or plan_json)
+    if dry_run or plan_json:
+        click.echo(json.dumps(plan.to_dict(), indent=2, sort_keys=True) if plan_json else str(plan))
+        if req.chain == ("direct",):
+            execute.preview_hooks(plan.hooks, env, host.python)
+        return
+    for warning in plan.warnings:
+        logger.warning("%s", warning)
+    ctx.exit(execute.execute(plan, req, node, env))
+
+
+for _mode, _help in {
+    "direct": """Run <cmd> under torchrun on this node (hooks first).
+
+    \b
+    direct options:
+      --env NAME=VALUE      set a variable for the hooks and the training (never logged)
+      --gpus-per-node N     torchrun --nproc-per-node (default: GPUS_PER_NODE, visible GPUs, 1)
+      --master-port P       rendezvous port when MASTER_PORT is unset
+      --log-dir DIR         node logs: DIR/<job>-node<rank>.log
+      --log-ranks all|first_last   which ranks reach the console (default first_last)
+      --skip-hook NAME      do not run this hook (repeatable; also PRIMUS_SKIP_HOOKS=a,b)
+      --hook-timeout S      per-hook timeout in seconds
+    """,
+    "container": """Run the direct layer inside docker or podman on this node.
+
+    \b
+    container options:
+      --image IMAGE         image (DOCKER_IMAGE and container.image otherwise)
+      --runtime R           docker | podman (auto-detected)
+      --gpu V               auto | amd | nvidia | none
+      -v, --volume SRC:DST  extra mount (repeatable); the checkout is always mounted
+      --device PATH         extra device (repeatable)
+      -e, --env NAME[=V]    forward NAME (by name only; =V sets it first)
+      --ulimit TYPE=S:H, --ipc, --network, --shm-size, --privileged, --cap-add, --security-opt,
+      --name PREFIX, --python PATH
+      --clean               remove containers left by earlier primus-cli runs (ours only, by label)
+    then `--` and the direct options, then `--` and <cmd>.
+    """,
+    "slurm": """Start the chain on every node of a Slurm job, with srun (default) or sbatch.
+
+    \b
+    slurm [srun|sbatch] [slurm flags] -- [container|direct] [opts] [--] <cmd>
+      slurm flags           any srun/sbatch flag: -N 4, --nodes 4, --nodes=4, -p gpu, ...
+                            (merged over slurm.* in the launcher config; the command line wins)
+      --follow              sbatch: stream the job's logs until it ends, exit with its code
+    The entry after `--` defaults to slurm.entry (container).
+    """,
+}.items():
+    main.command(
+        _mode, cls=ChainCommand, help=_help + CMD_HELP, context_settings={"ignore_unknown_options": True}
+    )(lambda _m=_mode: _launch(_m))
+
+
+@main.group("config")
+def config_group() -> None:
+    """Inspect the launcher config."""
+
+
+@config_group.command("show")
+@click.pass_obj
+def config_show(glob: GlobalOpts) -> None:
+    """Print the effective launcher config and the layer each value came from."""
+    env_image = os.environ.get("DOCKER_IMAGE")
+    resolved = config_mod.resolve(
+        home=Path.home(),
+        cwd=Path.cwd(),
+        config_file=Path(glob.config) if glob.config else None,
+        env_layer=[("container.image", env_image)] if env_image else [],
+        cli_layer=[],
+    )
+    click.echo(resolved.show())
+
+
+@main.group("template")
+def template_group() -> None:
+    """Job templates: the seed's EP8, EP8 + CUDA graph and 8-node PP8 jobs as runnable scripts."""
+
+
+@template_group.command("list")
+def template_list() -> None:
+    """List the templates and their --set keys."""
+    for t in templates.TEMPLATES.values():
+        click.echo(f"{t.name:15} {t.description}")
+        click.echo(f"{'':15} keys: {', '.join(sorted(t.defaults))}")
+
+
+@template_group.command("render")
+@click.argument("name")
+@click.option(
+    "-o", "--output", type=click.Path(dir_okay=False), help="Write the script here (default: stdout)."
+)
+@click.option(
+    "--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a template value (repeatable)."
+)
+def template_render(name: str, output: str | None, sets: tuple[str, ...]) -> None:
+    """Render template NAME into a runnable bash script (also a valid sbatch script)."""
+    text = templates.render_job(name, templates.parse_sets(sets))
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    path = Path(output)
+    path.write_text(text)
+    path.chmod(0o755)
+    click.echo(str(path))

@@ -1,0 +1,368 @@
+"""Run a plan: the only module that starts processes.
+
+Every child runs in its own session; SIGTERM and SIGINT received by the launcher are forwarded
+to the child's whole process group (torchrun and its workers, or srun, or the container client,
+which pass them on), escalating to SIGKILL after a grace period, so nothing is left behind.
+A launcher ended by a signal exits 128 + the signal number. Values of environment variables are
+only ever placed in a child's environment, never in argv or a log line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import IO
+
+from runner import env as env_mod
+from runner import hooks as hooks_mod
+from runner.chain import Request
+from runner.errors import LaunchError
+from runner.modes import container as container_mod
+from runner.modes.direct import NodeContext
+from runner.plan import HookCall, LaunchPlan, Step
+
+logger = logging.getLogger(__name__)
+
+GRACE_S = 20.0
+TAIL_LINES = 20
+_RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:")
+_SRUN_TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): Exited with exit code (\d+)")
+
+
+class _Forwarder:
+    """Forward SIGTERM/SIGINT to the current child's process group while it runs."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.received: int | None = None
+        self.deadline: float | None = None
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        self.received = self.received or signum
+        self.deadline = self.deadline or time.monotonic() + GRACE_S
+        if self.proc is not None and self.proc.poll() is None:
+            logger.warning("received %s: forwarding it to %s", signal.Signals(signum).name, self.proc.args[0])
+            _killpg(self.proc, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+
+    def escalate(self) -> None:
+        if self.deadline and time.monotonic() > self.deadline and self.proc and self.proc.poll() is None:
+            logger.error("child did not stop within %.0f s of the signal: killing its process group", GRACE_S)
+            _killpg(self.proc, signal.SIGKILL)
+            self.deadline = None
+
+
+def _killpg(proc: subprocess.Popen, sig: int) -> None:
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+_forwarder = _Forwarder()
+
+
+@contextmanager
+def _forwarding(proc: subprocess.Popen) -> Iterator[None]:
+    old = {s: signal.signal(s, _forwarder) for s in (signal.SIGTERM, signal.SIGINT)}
+    _forwarder.proc = proc
+    if _forwarder.received:  # a signal arrived between two children: do not start the next one
+        _killpg(proc, signal.SIGTERM)
+    try:
+        yield
+    finally:
+        _forwarder.proc = None
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _exit_code(rc: int) -> int:
+    code = 128 - rc if rc < 0 else rc
+    if _forwarder.received:
+        return code or 128 + _forwarder.received
+    return code
+
+
+def _spawn(argv: list[str], env: Mapping[str, str], **kw: object) -> subprocess.Popen:
+    try:
+        return subprocess.Popen(argv, env=dict(env), start_new_session=True, **kw)  # type: ignore[call-overload]
+    except FileNotFoundError as e:
+        raise LaunchError(f"cannot run {argv[0]}: not found. Install it or check PATH.") from e
+
+
+def _pump(
+    stream: IO[str],
+    proc: subprocess.Popen,
+    on_line: Callable[[str], None],
+    tick: Callable[[], None] = lambda: None,
+) -> int:
+    """Feed each line to on_line (reader thread) while waiting; return the exit status."""
+    reader = threading.Thread(
+        target=lambda: [on_line(line) for line in iter(stream.readline, "")], daemon=True
+    )
+    reader.start()
+    while True:
+        try:
+            rc = proc.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            _forwarder.escalate()
+            tick()
+    reader.join(timeout=5)
+    return rc
+
+
+def run_passthrough(argv: list[str], env: Mapping[str, str]) -> int:
+    """A child that writes straight to our stdout/stderr (the container client)."""
+    logger.info("running: %s", " ".join(argv[:2]))
+    proc = _spawn(argv, env, stdin=subprocess.DEVNULL)
+    with _forwarding(proc):
+        while True:
+            try:
+                return _exit_code(proc.wait(timeout=0.5))
+            except subprocess.TimeoutExpired:
+                _forwarder.escalate()
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def run_hooks(
+    calls: tuple[HookCall, ...], env: Mapping[str, str], timeout_s: int, python: str
+) -> hooks_mod.HookOutput:
+    """Run each hook in order; stop at the first failure with its name, exit code and output tail."""
+    out = hooks_mod.HookOutput()
+    for call in calls:
+        argv = [*hooks_mod.interpreter(call.path, python), *call.argv]
+        logger.info("hook %s: running", call.name)
+        tail: list[str] = []
+
+        def on_line(line: str, name: str = call.name, tail: list[str] = tail) -> None:
+            tail.append(line.rstrip("\n"))
+            del tail[:-TAIL_LINES]
+            out.add_line(name, line.rstrip("\n"))
+
+        proc = _spawn(
+            argv, {**env, **out.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        start = time.monotonic()
+        with _forwarding(proc):
+            assert proc.stdout is not None
+            timer = _Timer(proc, start + timeout_s)
+            rc = _pump(proc.stdout, proc, on_line, timer.check)
+        if timer.fired:
+            raise LaunchError(_hook_failure(call.name, f"timed out after {timeout_s} s", tail))
+        if _forwarder.received:
+            raise LaunchError(f"hook {call.name}: stopped by {signal.Signals(_forwarder.received).name}")
+        if rc != 0:
+            raise LaunchError(_hook_failure(call.name, f"exited with code {rc}", tail))
+        logger.info("hook %s: done in %.1f s", call.name, time.monotonic() - start)
+    return out
+
+
+def preview_hooks(calls: tuple[HookCall, ...], env: Mapping[str, str], python: str) -> None:
+    """Dry run: call only hooks that declare dry-run support, with `--dry-run` first."""
+    for call in calls:
+        if not call.dry_run_ok:
+            continue
+        argv = [*hooks_mod.interpreter(call.path, python), "--dry-run", *call.argv]
+        res = subprocess.run(argv, env=dict(env), capture_output=True, text=True, timeout=60, check=False)
+        for line in (res.stdout + res.stderr).splitlines():
+            logger.info("hook %s (dry run): %s", call.name, line)
+
+
+class _Timer:
+    def __init__(self, proc: subprocess.Popen, deadline: float) -> None:
+        self.proc, self.deadline, self.fired = proc, deadline, False
+
+    def check(self) -> None:
+        if not self.fired and time.monotonic() > self.deadline:
+            self.fired = True
+            _killpg(self.proc, signal.SIGKILL)
+
+
+def _hook_failure(name: str, what: str, tail: list[str]) -> str:
+    body = "\n".join(f"    {line}" for line in tail) or "    (no output)"
+    return (
+        f"hook {name} {what}; the launch is stopped. Last output:\n{body}\nSkip it with --skip-hook {name}."
+    )
+
+
+# --------------------------------------------------------------------------- torchrun
+
+
+def run_torchrun(plan: LaunchPlan, step: Step, ctx: NodeContext, req: Request, env: Mapping[str, str]) -> int:
+    """Hooks, then torchrun; every line goes to the node log, the first and last rank to the console."""
+    cfg = req.config
+    out = run_hooks(plan.hooks, env, cfg.hooks.timeout_s, step.argv[0])
+    argv = [*step.argv, *out.extra]
+    child_env = {**env, **out.env, **ctx.env(), "PYTHONUNBUFFERED": "1"}
+    log_path = Path(plan.log_file or "primus-node.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    show = _console_ranks(cfg.direct.log_ranks, ctx)
+    logger.info(
+        "node %s/%s: torchrun with %s processes, master %s:%s; node log %s",
+        ctx.node_rank, ctx.nnodes, ctx.nproc, ctx.master_addr, ctx.master_port, log_path,
+    )  # fmt: skip
+    with log_path.open("a", buffering=1) as log:
+        proc = _spawn(
+            argv,
+            child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+
+        def on_line(line: str) -> None:
+            log.write(line)
+            m = _RANK_PREFIX.match(line)
+            if show is None or m is None or int(m.group(1)) in show:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+        with _forwarding(proc):
+            assert proc.stdout is not None
+            rc = _exit_code(_pump(proc.stdout, proc, on_line))
+    if rc != 0:
+        logger.error("training exited with code %d (node log: %s)", rc, log_path)
+    return rc
+
+
+def _console_ranks(mode: str, ctx: NodeContext) -> set[int] | None:
+    """Local ranks whose lines reach the console: global rank 0 and the last global rank."""
+    if mode == "all":
+        return None
+    ranks: set[int] = set()
+    if int(ctx.node_rank) == 0:
+        ranks.add(0)
+    if int(ctx.node_rank) == int(ctx.nnodes) - 1:
+        ranks.add(int(ctx.nproc) - 1)
+    return ranks
+
+
+# --------------------------------------------------------------------------- container
+
+
+def clean_containers(rt: str) -> None:
+    """Remove containers carrying our label (never anyone else's)."""
+    list_argv, rm_argv = container_mod.clean_argv(rt)
+    res = subprocess.run(list_argv, capture_output=True, text=True, check=False)
+    ids = res.stdout.split()
+    if ids:
+        subprocess.run([*rm_argv, *ids], capture_output=True, check=False)
+    logger.info("--clean: removed %d container(s) labelled %s", len(ids), container_mod.LABEL)
+
+
+def run_container(step: Step, req: Request, ctx: NodeContext, env: Mapping[str, str]) -> int:
+    if req.clean:
+        clean_containers(step.argv[0])
+    child_env = {**env, **ctx.env(), env_mod.REQUEST_VAR: json.dumps(req.inner().to_dict())}
+    logger.info("container %s: forwarding %d variables by name", step.argv[4], len(step.env_names))
+    return run_passthrough(list(step.argv), child_env)
+
+
+# --------------------------------------------------------------------------- slurm
+
+
+def run_srun(step: Step, req: Request, env: Mapping[str, str]) -> int:
+    """srun with the rest of the chain in PRIMUS_LAUNCH_REQUEST; report which node failed first."""
+    child_env = {**env, env_mod.REQUEST_VAR: json.dumps(req.inner().to_dict())}
+    failures: list[tuple[str, str, int]] = []
+
+    def on_line(line: str) -> None:
+        sys.stderr.write(line)
+        m = _SRUN_TASK_EXIT.search(line)
+        if m:
+            failures.append((m.group(1), m.group(2), int(m.group(3))))
+
+    proc = _spawn(list(step.argv), child_env, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    with _forwarding(proc):
+        assert proc.stderr is not None
+        rc = _exit_code(_pump(proc.stderr, proc, on_line))
+    if rc != 0 and failures and not _forwarder.received:
+        node, task, code = failures[0]
+        logger.error(
+            "node %s (task %s) failed first with exit code %d; srun returned %d", node, task, code, rc
+        )
+        return code
+    return rc
+
+
+def submit_sbatch(step: Step, env: Mapping[str, str]) -> str:
+    """Write the batch script and submit it; return the job id."""
+    path = Path(step.argv[-1])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    assert step.script is not None
+    path.write_text(step.script)
+    res = subprocess.run(list(step.argv), env=dict(env), capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise LaunchError(f"sbatch failed (exit {res.returncode}): {res.stderr.strip()} (script: {path})")
+    return res.stdout.strip().split(";")[0]
+
+
+def follow(job_id: str, logs: list[Path], poll_s: float = 0.5) -> int:
+    """Stream the job's log files until it leaves the queue; return its exit code."""
+    offsets: dict[Path, int] = {}
+
+    def drain() -> None:
+        for pattern in logs:
+            for path in sorted(pattern.parent.glob(pattern.name)):
+                with path.open("rb") as f:
+                    f.seek(offsets.get(path, 0))
+                    data = f.read()
+                    offsets[path] = f.tell()
+                if data:
+                    sys.stdout.write(data.decode(errors="replace"))
+                    sys.stdout.flush()
+
+    while True:
+        queued = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, check=False)
+        drain()
+        if not queued.stdout.strip():
+            break
+        time.sleep(poll_s)
+        if _forwarder.received:
+            logger.warning(
+                "stopped following job %s (it keeps running; scancel %s to stop it)", job_id, job_id
+            )
+            return 128 + _forwarder.received
+    time.sleep(poll_s)
+    drain()
+    show = subprocess.run(
+        ["scontrol", "show", "job", job_id], capture_output=True, text=True, check=False
+    ).stdout
+    m = re.search(r"JobState=(\S+).*?ExitCode=(\d+):(\d+)", show, re.S)
+    if not m:
+        logger.warning("job %s: no final state from scontrol", job_id)
+        return 0
+    state, code, sig = m.group(1), int(m.group(2)), int(m.group(3))
+    logger.info("job %s finished: %s, exit code %d", job_id, state, code)
+    return code or (128 + sig if sig else (0 if state == "COMPLETED" else 1))
+
+
+def execute(plan: LaunchPlan, req: Request, ctx: NodeContext, env: Mapping[str, str]) -> int:
+    """Run the outermost step (it starts the rest); return the training's exit code."""
+    first = plan.steps[0]
+    if first.kind == "sbatch":
+        job_id = submit_sbatch(first, env)
+        sys.stdout.write(f"{job_id}\n")
+        sys.stdout.flush()
+        if not req.follow:
+            return 0
+        name = dict(req.slurm_flags).get("job-name") or req.config.slurm.job_name
+        logs = Path(req.cwd) / req.config.slurm.log_dir
+        return follow(job_id, [logs / f"{name}-{job_id}.out", logs / f"{name}-{job_id}-node*.out"])
+    if first.kind == "srun":
+        return run_srun(first, req, env)
+    if first.kind == "container":
+        return run_container(first, req, ctx, env)
+    return run_torchrun(plan, first, ctx, req, env)

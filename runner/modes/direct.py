@@ -1,0 +1,174 @@
+"""direct: hooks, then `torchrun` on this node, with the rendezvous derived from env or Slurm.
+
+Rendezvous: inside a Slurm step (srun), NNODES and NODE_RANK come from the step's node list and
+this node's name, MASTER_ADDR is the first host of the node list (a user MASTER_ADDR that is not
+that host is an error), MASTER_PORT is MASTER_PORT or 20000 + job id % 20000 (the same on every
+node, different between jobs). Outside Slurm they come from the environment, then the launcher
+config, with 1 node, rank 0, localhost. `--nproc-per-node` is GPUS_PER_NODE, else
+`direct.gpus_per_node`, else the visible GPUs, else 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner import hooks as hooks_mod
+from runner.chain import Request
+from runner.errors import ConfigError
+from runner.host import HostFacts, expand_nodelist
+from runner.plan import LaunchPlan, Step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeContext:
+    """This node's place in the job; `<...>` strings stand for values only a node knows."""
+
+    nnodes: str
+    node_rank: str
+    master_addr: str
+    master_port: str
+    nproc: str
+    job_id: str
+
+    def env(self) -> dict[str, str]:
+        return {
+            "NNODES": self.nnodes,
+            "NODE_RANK": self.node_rank,
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": self.master_port,
+            "GPUS_PER_NODE": self.nproc,
+            "PRIMUS_JOB_ID": self.job_id,
+        }
+
+
+def _int(name: str, value: str, remedy: str) -> int:
+    try:
+        return int(value)
+    except ValueError as e:
+        raise ConfigError(f"{name}={value!r}: not an integer. {remedy}") from e
+
+
+def in_slurm_step(env: dict[str, str] | object) -> bool:
+    """True inside an srun step (not in a batch script, which runs on the first node only)."""
+    return "SLURM_STEP_ID" in env and ("SLURM_STEP_NODELIST" in env or "SLURM_JOB_NODELIST" in env)  # type: ignore[operator]
+
+
+def _short(host: str) -> str:
+    return host.split(".", 1)[0]
+
+
+def node_context(
+    req: Request, host: HostFacts, *, dry_run: bool, symbolic_slurm: bool = False
+) -> tuple[NodeContext, list[str]]:
+    """Derive and check this node's rendezvous settings; return them with warnings."""
+    env, cfg = host.env, req.config
+    warnings: list[str] = []
+    nproc = env.get("GPUS_PER_NODE") or (str(cfg.direct.gpus_per_node) if cfg.direct.gpus_per_node else "")
+    nproc = nproc or str(max(host.visible_gpus, 1))
+    if _int("GPUS_PER_NODE", nproc, "Set it to the number of processes per node.") < 1:
+        raise ConfigError(f"GPUS_PER_NODE={nproc}: must be at least 1.")
+    user_port = env.get("MASTER_PORT")
+
+    if symbolic_slurm:
+        nodes = dict(req.slurm_flags).get("nodes") or "<SLURM_NNODES>"
+        ctx = NodeContext(
+            nnodes=nodes,
+            node_rank="<NODE_RANK>",
+            master_addr=env.get("MASTER_ADDR") or "<FIRST_NODE>",
+            master_port=user_port or "<20000+SLURM_JOB_ID%20000>",
+            nproc=nproc,
+            job_id="<SLURM_JOB_ID>",
+        )
+        return ctx, warnings
+
+    if in_slurm_step(env):
+        hosts = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
+        me = env.get("SLURMD_NODENAME", "")
+        rank = str(hosts.index(me)) if me in hosts else env.get("SLURM_NODEID", "0")
+        master = hosts[0]
+        user_master = env.get("MASTER_ADDR", "")
+        if user_master and _short(user_master) != _short(master):
+            raise ConfigError(
+                f"MASTER_ADDR={user_master}: not the first node of this Slurm job ({master}); every node must "
+                "rendezvous at the first node. Unset MASTER_ADDR (primus-cli derives it) or set it to "
+                f"{master}."
+            )
+        job = env.get("SLURM_JOB_ID", host.job_id)
+        port = user_port or str(20000 + _int("SLURM_JOB_ID", job, "") % 20000)
+        ctx = NodeContext(
+            nnodes=str(len(hosts)),
+            node_rank=rank,
+            master_addr=master,
+            master_port=port,
+            nproc=nproc,
+            job_id=job,
+        )
+    else:
+        ctx = NodeContext(
+            nnodes=env.get("NNODES") or "1",
+            node_rank=env.get("NODE_RANK") or "0",
+            master_addr=env.get("MASTER_ADDR") or "localhost",
+            master_port=user_port or str(cfg.direct.master_port),
+            nproc=nproc,
+            job_id=host.job_id,
+        )
+
+    nnodes = _int("NNODES", ctx.nnodes, "Set NNODES to the number of nodes.")
+    rank = _int("NODE_RANK", ctx.node_rank, "Set NODE_RANK to this node's index, 0..NNODES-1.")
+    port = _int("MASTER_PORT", ctx.master_port, "Set MASTER_PORT to a free port in 1024-65535.")
+    if nnodes < 1:
+        raise ConfigError(f"NNODES={nnodes}: must be at least 1.")
+    if not 0 <= rank < nnodes:
+        raise ConfigError(f"NODE_RANK={rank}: must be in 0..{nnodes - 1} for NNODES={nnodes}.")
+    if not 1024 <= port <= 65535:
+        raise ConfigError(f"MASTER_PORT={port}: out of range. Use a free port in 1024-65535.")
+    if nnodes > 1 and ctx.master_addr in ("localhost", "127.0.0.1"):
+        warnings.append(f"MASTER_ADDR={ctx.master_addr} with NNODES={nnodes}: other nodes cannot reach it.")
+    if not host.resolves(ctx.master_addr):
+        msg = f"MASTER_ADDR={ctx.master_addr}: does not resolve on {host.hostname}. Set it to a reachable host name."
+        if not dry_run:
+            raise ConfigError(msg)
+        warnings.append(msg)
+    return ctx, warnings
+
+
+def log_file(req: Request, ctx: NodeContext) -> str:
+    """One file per node, named by job and node rank, so no node overwrites another's."""
+    return str(Path(req.cwd) / req.config.direct.log_dir / f"{ctx.job_id}-node{ctx.node_rank}.log")
+
+
+def build(
+    req: Request, host: HostFacts, ctx: NodeContext, *, python: str, where: str, warnings: list[str]
+) -> LaunchPlan:
+    """The direct layer: hooks and the torchrun step, for the node described by `ctx`."""
+    cfg = req.config
+    skip = [*cfg.hooks.skip, *req.skip_hooks, *host.env.get(hooks_mod.SKIP_VAR, "").split(",")]
+    hook_calls, skipped = hooks_mod.discover(
+        Path(host.checkout) / cfg.hooks.dir, req.command.hook_group(), req.command.argv, skip
+    )
+    node_log = log_file(req, ctx)
+    argv = (
+        python, "-m", "torch.distributed.run",
+        "--nproc-per-node", ctx.nproc,
+        "--nnodes", ctx.nnodes,
+        "--node-rank", ctx.node_rank,
+        "--master-addr", ctx.master_addr,
+        "--master-port", ctx.master_port,
+        "--tee", "3",
+        "--log-dir", node_log.removesuffix(".log") + "-ranks",
+        *req.command.target(),
+    )  # fmt: skip
+    step = Step(kind="torchrun", argv=argv, where=where)
+    return LaunchPlan(
+        chain=req.chain,
+        steps=(step,),
+        hooks=hook_calls,
+        hooks_where=where,
+        skipped_hooks=skipped,
+        warnings=tuple(warnings),
+        log_file=node_log,
+    )
