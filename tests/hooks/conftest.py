@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from rebuild_hook_helpers import GIT_ENV, SETUP_PY, FakeTurbo, _commit, _git
+
+from tests.hooks.rebuild_hook_helpers import GIT_ENV, SETUP_PY, FakeTurbo, _commit, _git
 
 
 @pytest.fixture(scope="session")
@@ -41,6 +42,10 @@ def fake_turbo(tmp_path_factory: pytest.TempPathFactory) -> FakeTurbo:
     with (up / "setup.py").open("a") as f:
         f.write('\nraise SystemExit("fake compile error: undefined symbol turbo_grouped_gemm")\n')
     broken = _commit(up, "broken build")
+    _git(up, "checkout", "-q", "-b", "bad-import", newer)
+    with (up / "primus_turbo" / "__init__.py").open("a") as f:
+        f.write('raise ImportError("libprimus_turbo_kernels.so: undefined symbol: hipModuleLaunchKernel")\n')
+    _commit(up, "builds, but does not import")
     _git(up, "checkout", "-q", "main")
     return FakeTurbo(url=up.as_uri(), old=old, minimum=minimum, newer=newer, broken=broken)
 

@@ -6,7 +6,8 @@ History of the fake upstream (``main``), oldest first:
 * ``minimum``  — stands in for the real minimum commit (PRIMUS_TURBO_MIN_COMMIT points at it);
 * ``newer``    — moves the ``third_party/ck`` submodule to its v2 commit; tagged ``v0.2.0``.
 
-Branch ``broken`` (from ``newer``) fails to build. Everything is reached through ``file://`` URLs.
+Branch ``broken`` (from ``newer``) fails to build; branch ``bad-import`` builds a package that does
+not import. Everything is reached through ``file://`` URLs.
 """
 
 from __future__ import annotations

@@ -12,7 +12,16 @@ import time
 from pathlib import Path
 
 import pytest
-from rebuild_hook_helpers import HOOK, REPO_ROOT, FakeTurbo, HookRun, builds, import_built, run_hook
+
+from tests.hooks.rebuild_hook_helpers import (
+    HOOK,
+    REPO_ROOT,
+    FakeTurbo,
+    HookRun,
+    builds,
+    import_built,
+    run_hook,
+)
 
 
 def _build_dir(env: dict[str, str]) -> Path:
@@ -137,6 +146,21 @@ def test_rebuild_hook_broken_build_keeps_previous_install(
     assert import_built(good.exports["PYTHONPATH"], tmp_path)["commit"] == fake_turbo.minimum
     current = _build_dir(hook_env) / "current"
     assert current.resolve() == Path(good.exports["PRIMUS_TURBO_INSTALL_DIR"])
+
+
+def test_rebuild_hook_build_that_does_not_import_is_never_used(
+    hook_env: dict[str, str], fake_turbo: FakeTurbo, tmp_path: Path
+) -> None:
+    good = run_hook(hook_env)
+    assert good.returncode == 0, good.stderr
+    hook_env["PRIMUS_TURBO_REF"] = "bad-import"
+    run = run_hook(hook_env)
+    assert run.returncode == 1
+    assert "the import check of the new build failed" in run.stderr
+    assert "undefined symbol: hipModuleLaunchKernel" in run.stderr
+    installs = _build_dir(hook_env) / "installs"
+    assert [p.name for p in installs.iterdir()] == [Path(good.exports["PRIMUS_TURBO_INSTALL_DIR"]).name]
+    assert import_built(good.exports["PYTHONPATH"], tmp_path)["commit"] == fake_turbo.minimum
 
 
 def test_rebuild_hook_interrupted_build_keeps_previous_install(
