@@ -1,0 +1,138 @@
+"""The weight cache inside training loops: never a stale weight after an optimizer step, flat memory.
+
+Every step runs the cached MXFP8 op twice (the second run is an activation recompute, served from the
+cache) and compares both, bit for bit, with a backend that has an empty cache and so quantises the
+current weights: forward (``y``), dgrad (``dx``, ``d_topk_weights``) and wgrad (``dw1``, ``dw2``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import pytest
+import torch
+
+import megamoe.backends
+from megamoe import advance_weight_generation, fused_mega_moe
+from megamoe.backends.mxfp8_reference import MXFP8ReferenceBackend
+from megamoe.quant import fake_quantize_mx
+from tests.megamoe.reference_math import make_case
+
+KEY = ("reference", "mxfp8")
+NAMES = ("y", "dx", "d_topk_weights", "dw1", "dw2")
+
+
+@contextlib.contextmanager
+def _using(backend):
+    previous = megamoe.backends._CACHE.get(KEY)
+    megamoe.backends._CACHE[KEY] = backend
+    try:
+        yield backend
+    finally:
+        if previous is None:
+            megamoe.backends._CACHE.pop(KEY, None)
+        else:
+            megamoe.backends._CACHE[KEY] = previous
+
+
+@pytest.fixture
+def cached():
+    advance_weight_generation()  # the trainer has started stepping
+    with _using(MXFP8ReferenceBackend()) as backend:
+        yield backend
+
+
+class _Model:
+    """Expert weights as parameters plus one fixed batch."""
+
+    def __init__(self, seed: int) -> None:
+        c = make_case(tokens=[24], hidden=64, inter=32, experts=2, topk=2, seed=seed)
+        self.w1 = torch.nn.Parameter(c["w1"].float())
+        self.w2 = torch.nn.Parameter(c["w2"].float())
+        self.x, self.idx, self.tw = c["x"][0].float(), c["topk_idx"][0], c["topk_weights"][0].float()
+        self.dy = torch.randn(self.x.shape, generator=torch.Generator().manual_seed(seed + 1))
+
+    def run(self) -> dict[str, torch.Tensor]:
+        """Forward and backward; returns outputs and gradients without touching ``.grad``."""
+        x, tw = self.x.clone().requires_grad_(), self.tw.clone().requires_grad_()
+        y = fused_mega_moe(x, self.idx, tw, self.w1, self.w2, precision="mxfp8")
+        grads = torch.autograd.grad(y, (x, tw, self.w1, self.w2), self.dy)
+        return dict(zip(NAMES, (y.detach(), *grads), strict=True))
+
+    def fresh(self) -> dict[str, torch.Tensor]:
+        with _using(MXFP8ReferenceBackend()):
+            return self.run()
+
+
+def _sgd(model, grads, lr=0.01):
+    opt = torch.optim.SGD([model.w1, model.w2], lr=lr)
+    model.w1.grad, model.w2.grad = grads["dw1"], grads["dw2"]
+    opt.step()  # bumps w._version
+
+
+def _through_data(model, grads, lr=0.01):
+    model.w1.data.add_(grads["dw1"], alpha=-lr)  # megatron's distributed optimizer: no version bump
+    model.w2.data.add_(grads["dw2"], alpha=-lr)
+
+
+def _assert_same(got, expected, what):
+    for name in NAMES:
+        assert torch.equal(got[name], expected[name]), f"{what}: {name} differs from a fresh quantisation"
+
+
+@pytest.mark.parametrize("update", [_sgd, _through_data], ids=["torch.optim.SGD", "through .data"])
+def test_no_stale_quantised_weight_after_optimizer_steps(cached, update):
+    model = _Model(seed=1)
+    for step in range(5):
+        first, recompute = model.run(), model.run()
+        expected = model.fresh()
+        _assert_same(first, expected, f"step {step}")
+        _assert_same(recompute, expected, f"step {step} recompute")
+        update(model, first)
+        advance_weight_generation()
+    # per step: w1, w2 (forward) and their transposed forms (dgrad) quantised once, then served
+    assert (cached.weight_cache.misses, cached.weight_cache.hits) == (4 * 5, 4 * 5)
+
+
+def test_eval_forward_between_steps_is_served_from_the_cache(cached):
+    model = _Model(seed=2)
+    model.run()
+    misses = cached.weight_cache.misses
+    with torch.no_grad():
+        fused_mega_moe(model.x, model.idx, model.tw, model.w1, model.w2, precision="mxfp8")
+    assert cached.weight_cache.misses == misses
+
+
+def test_data_update_without_generation_advance_serves_stale_weights(cached):
+    """The failure advance_weight_generation() exists to prevent (the original's dgrad bug, on purpose)."""
+    model = _Model(seed=3)
+    _through_data(model, model.run())
+    stale, fresh = model.run(), model.fresh()
+    assert not torch.equal(stale["y"], fresh["y"]) and not torch.equal(stale["dx"], fresh["dx"])
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_cache_memory_flat_and_rewritten_in_place_over_200_steps(cached):
+    model = _Model(seed=4)
+    cache = cached.weight_cache
+    sizes = []
+    for step in range(200):
+        grads = model.run()
+        model.w1.data.add_(grads["dw1"].sign(), alpha=-1e-3)  # bounded steps: finite for 200 steps
+        model.w2.data.add_(grads["dw2"].sign(), alpha=-1e-3)
+        advance_weight_generation()
+        if step == 0:
+            entries, nbytes, buffers = len(cache), cache.nbytes, cache.buffers()
+        if step in (9, 199):
+            sizes.append(_live_tensors())
+    assert (len(cache), cache.nbytes, cache.buffers()) == (entries, nbytes, buffers) and entries == 4
+    assert sizes[0] == sizes[1], f"live tensors grew from {sizes[0]} to {sizes[1]}"
+    model.run()  # the last refresh, into the same buffers
+    forms = {(id(w), t): (w.transpose(1, 2) if t else w) for w in (model.w1, model.w2) for t in (False, True)}
+    for key, entry in cache._entries.items():
+        torch.testing.assert_close(entry.mx.dequantize(), fake_quantize_mx(forms[key]), rtol=0, atol=0)
