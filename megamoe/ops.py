@@ -144,7 +144,7 @@ class _GroupedGemmCombine(torch.autograd.Function):
         return dh, d_dispatch_weights, dw2, None
 
 
-def _make_handle(
+def _select_backend(
     x: Tensor,
     topk_idx: Tensor,
     topk_weights: Tensor,
@@ -153,16 +153,21 @@ def _make_handle(
     group: dist.ProcessGroup | None,
     backend: str,
     precision: str,
-) -> MegaMoEHandle:
-    ep = _ep_size(group)
+) -> ExpertBackend:
     error = None
     try:
-        _validate(x, topk_idx, topk_weights, w1, w2, ep)
+        _validate(x, topk_idx, topk_weights, w1, w2, _ep_size(group))
     except MegaMoEError as e:
         error = e
     _agree_on_errors(error, group, x.device)
     impl = get_backend(backend, device=x.device, dtype=x.dtype, precision=precision)
-    plan = impl.make_plan(topk_idx, num_experts=w1.shape[0] * ep, group=group)
+    if getattr(impl, "native_autograd", False):
+        impl.check(x, topk_idx, w1, w2, group)
+    return impl
+
+
+def _make_handle(impl: ExpertBackend, x: Tensor, topk_idx: Tensor, w1: Tensor, group) -> MegaMoEHandle:
+    plan = impl.make_plan(topk_idx, num_experts=w1.shape[0] * _ep_size(group), group=group)
     return MegaMoEHandle(impl, plan, x.shape[0])
 
 
@@ -177,7 +182,11 @@ def dispatch_grouped_gemm(
     precision: str = "bf16",
 ) -> tuple[Tensor, Tensor, MegaMoEHandle]:
     """Stage 1: dispatch + GEMM1. Returns ``(h [R, 2I] pre-SwiGLU, dispatch_weights [R], handle)``."""
-    handle = _make_handle(x, topk_idx, topk_weights, w1, None, group, backend, precision)
+    impl = _select_backend(x, topk_idx, topk_weights, w1, None, group, backend, precision)
+    if getattr(impl, "native_autograd", False):
+        h, dispatch_weights, plan = impl.stage1(x, topk_idx, topk_weights, w1, group)
+        return h, dispatch_weights, MegaMoEHandle(impl, plan, x.shape[0])
+    handle = _make_handle(impl, x, topk_idx, w1, group)
     h, dispatch_weights = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
     return h, dispatch_weights, handle
 
@@ -188,6 +197,8 @@ def grouped_gemm_combine(h: Tensor, dispatch_weights: Tensor, handle: MegaMoEHan
         raise shape_error("h", h.shape, f"[R, 2I] matching w2 {tuple(w2.shape)} = [G, H, I]")
     if w2.dtype != h.dtype:
         raise InvalidConfigError("w2.dtype", w2.dtype, f"must equal the activations' dtype {h.dtype}")
+    if getattr(handle.backend, "native_autograd", False):
+        return handle.backend.stage2(h, dispatch_weights, handle.plan, w2, handle.num_tokens)
     return _GroupedGemmCombine.apply(h, dispatch_weights, w2, handle)
 
 
@@ -210,6 +221,9 @@ def fused_mega_moe(
     ``"mxfp8"`` in MX blocks (E4M3 data, one E8M0 scale per 32; see :mod:`megamoe.quant`) while
     the parameters stay in their dtype. The handle carries it to :func:`grouped_gemm_combine`.
     """
-    handle = _make_handle(x, topk_idx, topk_weights, w1, w2, group, backend, precision)
+    impl = _select_backend(x, topk_idx, topk_weights, w1, w2, group, backend, precision)
+    if getattr(impl, "native_autograd", False):
+        return impl.fused(x, topk_idx, topk_weights, w1, w2, group)
+    handle = _make_handle(impl, x, topk_idx, w1, group)
     h, dispatch_weights = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
     return _GroupedGemmCombine.apply(h, dispatch_weights, w2, handle)

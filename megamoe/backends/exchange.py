@@ -32,12 +32,16 @@ def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
 def _all_to_all(
     rows: Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
 ) -> Tensor:
-    """``all_to_all_single`` on row blocks; bf16 travels as int16 because gloo lacks bf16."""
+    """``all_to_all_single`` on row blocks; bf16 travels as bytes because gloo has no bf16 (nor int16)."""
     send = rows.contiguous()
-    wire = send.view(torch.int16) if send.dtype == torch.bfloat16 else send
-    out = wire.new_empty((out_rows, *send.shape[1:]))
+    if send.dtype != torch.bfloat16:
+        out = send.new_empty((out_rows, *send.shape[1:]))
+        dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
+        return out
+    wire = send.reshape(send.shape[0], -1).view(torch.uint8)
+    out = wire.new_empty((out_rows, wire.shape[1]))
     dist.all_to_all_single(out, wire, out_splits, in_splits, group=group)
-    return out.view(send.dtype) if send.dtype == torch.bfloat16 else out
+    return out.view(torch.bfloat16).reshape(out_rows, *send.shape[1:])
 
 
 @dataclass(kw_only=True, slots=True)

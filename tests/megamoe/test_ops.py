@@ -183,6 +183,30 @@ def test_fused_mega_moe_expert_parallel_matches_dense_oracle(case, tmp_path):
             assert err < 1e-10, f"rank {rank} {name}: max error {err:.3e}"
 
 
+def _bf16_ep_rank(rank, world):
+    import torch.distributed as dist
+
+    c = make_case(tokens=[6, 9], hidden=16, inter=8, experts=4, topk=2, seed=12)
+    G = 2
+    args = [
+        c["x"][rank],
+        c["topk_weights"][rank],
+        c["w1"][rank * G : (rank + 1) * G],
+        c["w2"][rank * G : (rank + 1) * G],
+    ]
+    bf16 = [a.bfloat16().requires_grad_() for a in args]
+    y = fused_mega_moe(bf16[0], c["topk_idx"][rank], *bf16[1:], group=dist.group.WORLD)
+    y.float().sum().backward()
+    y_ref = dense_moe(args[0], c["topk_idx"][rank], args[1], c["w1"], c["w2"])
+    cos = torch.nn.functional.cosine_similarity(y.double().flatten(), y_ref.flatten(), dim=0).item()
+    return cos, [t.grad is not None and t.grad.dtype == torch.bfloat16 for t in bf16]
+
+
+def test_bfloat16_expert_parallel_including_bf16_routing_weights(tmp_path):
+    for cos, grads_ok in run_ranks(_bf16_ep_rank, 2, tmp_path):
+        assert cos > 0.999 and all(grads_ok)
+
+
 def _bad_input_on_one_rank(rank, world):
     import torch.distributed as dist
 
