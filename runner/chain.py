@@ -400,3 +400,28 @@ def _parse_slurm(tokens: list[str], parsed: Parsed) -> list[str]:
         )
     parsed.slurm_cli_flags = parse_slurm_flags(flags, "primus-cli slurm")
     return tokens[i + 1 :]
+
+
+def make_request(parsed: Parsed, cfg: LauncherConfig, env: dict[str, str], *, cwd: str) -> Request:
+    """Combine the parsed command line with the resolved config (entry and launcher defaults)."""
+    assert parsed.command is not None
+    modes = list(parsed.chain)
+    if "<entry>" in modes:
+        modes = [m for m in modes if m not in ("<entry>", "direct")] + [cfg.slurm.entry, "direct"]
+    modes = list(dict.fromkeys(modes))
+    on_slurm = modes[0] == "slurm"
+    return Request(
+        chain=tuple(modes),
+        command=parsed.command,
+        config=cfg,
+        launcher=(parsed.launcher or cfg.slurm.launcher) if on_slurm else None,  # type: ignore[arg-type]
+        slurm_flags=merge_slurm_flags(cfg, parsed.slurm_cli_flags) if on_slurm else (),
+        env_names=tuple(n for n in parsed.env_values if n in env),
+        volumes=tuple(parsed.volumes),
+        devices=tuple(parsed.devices),
+        ulimits=tuple(parsed.ulimits),
+        skip_hooks=tuple(parsed.skip_hooks),
+        clean=parsed.clean,
+        follow=parsed.follow,
+        cwd=cwd,
+    )

@@ -13,7 +13,6 @@ import click
 from runner import __version__, chain, execute, templates
 from runner import config as config_mod
 from runner import host as host_mod
-from runner.chain import Request
 from runner.logs import setup_logging
 from runner.modes import build_plan
 
@@ -96,32 +95,13 @@ def _launch(mode: str) -> None:
         env_layer=env_layer,
         cli_layer=cli_layer,
     )
-    cfg = resolved.config
-    modes = [cfg.slurm.entry if m == "<entry>" else m for m in parsed.chain]
-    if cfg.slurm.entry == "direct" and "<entry>" in parsed.chain:
-        modes = [m for m in modes if m != "direct"] + ["direct"]
     for name, value in parsed.env_values.items():
         if value is not None:
             env[name] = value
         elif name not in env:
             logger.warning("--env %s: not set in this environment; nothing to forward", name)
-    assert parsed.command is not None
-    req = Request(
-        chain=tuple(dict.fromkeys(modes)),
-        command=parsed.command,
-        config=cfg,
-        launcher=(parsed.launcher or cfg.slurm.launcher) if modes[0] == "slurm" else None,  # type: ignore[arg-type]
-        slurm_flags=chain.merge_slurm_flags(cfg, parsed.slurm_cli_flags) if modes[0] == "slurm" else (),
-        env_names=tuple(n for n in parsed.env_values if n in env),
-        volumes=tuple(parsed.volumes),
-        devices=tuple(parsed.devices),
-        ulimits=tuple(parsed.ulimits),
-        skip_hooks=tuple(parsed.skip_hooks),
-        clean=parsed.clean,
-        follow=parsed.follow,
-        cwd=str(Path.cwd()),
-    )
-    dry_run = glob.dry_run or parsed.dry_run or cfg.main.dry_run
+    req = chain.make_request(parsed, resolved.config, env, cwd=str(Path.cwd()))
+    dry_run = glob.dry_run or parsed.dry_run or req.config.main.dry_run
     plan_json = glob.plan_json or parsed.plan_json
     host = host_mod.gather(env)
     plan, node = build_plan(req, host, dry_run=dry_run or plan_json)

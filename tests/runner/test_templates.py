@@ -1,0 +1,41 @@
+"""Job templates: the seed's three jobs render to runnable scripts with every value quoted."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from runner import templates
+from runner.errors import ConfigError
+
+
+@pytest.mark.parametrize("name", sorted(templates.TEMPLATES))
+def test_template_renders_valid_bash(name: str) -> None:
+    text = templates.render_job(name, {})
+    assert subprocess.run(["bash", "-n"], input=text, text=True, check=False).returncode == 0
+    assert "--use_turbo_mega_moe True" in text
+
+
+def test_template_cudagraph_captures_the_full_iteration() -> None:
+    text = templates.render_job("ep8-cudagraph", {})
+    assert "--cuda_graph_impl local" in text and "--cuda_graph_scope full_iteration" in text
+
+
+def test_template_pp8_layout_is_quoted_as_one_word() -> None:
+    text = templates.render_job("pp8-8node", {})
+    assert "--pipeline_model_parallel_layout 'Et|t*2|t*2|t*2|t*2|t*2|t*2|t,L'" in text
+    assert "-N 8" in text
+
+
+def test_template_hostile_value_is_quoted() -> None:
+    text = templates.render_job("ep8", {"config": "$(touch /tmp/pwned)", "extra": ["a b", "`id`"]})
+    assert "--config '$(touch /tmp/pwned)'" in text
+    assert "'a b' '`id`'" in text
+
+
+def test_template_unknown_key_and_name_are_errors() -> None:
+    with pytest.raises(ConfigError, match="unknown --set key 'nodez'"):
+        templates.render_job("ep8", {"nodez": "2"})
+    with pytest.raises(ConfigError, match="Known: ep8"):
+        templates.render_job("nope", {})
