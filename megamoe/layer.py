@@ -74,6 +74,7 @@ class MegaMoEExperts(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
         backend: str = "auto",
+        precision: str = "bf16",
     ) -> None:
         super().__init__()
         ep_size, ep_rank = _ep_size_rank(ep_group)
@@ -89,6 +90,7 @@ class MegaMoEExperts(nn.Module):
         self.first_expert = ep_rank * self.num_local_experts
         self.ep_group = ep_group
         self.backend = backend
+        self.precision = precision
         G, H, I = self.num_local_experts, hidden_size, ffn_hidden_size
         self.fc1 = MegaMoEWeightModule((G, 2 * I, H), dtype=dtype, device=device)
         self.fc2 = MegaMoEWeightModule((G, H, I), dtype=dtype, device=device)
@@ -116,7 +118,13 @@ class MegaMoEExperts(nn.Module):
 
     def forward(self, x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor) -> Tensor:
         h, dispatch_weights, handle = dispatch_grouped_gemm(
-            x_TH, topk_idx_TK, topk_weights_TK, self.fc1(), self.ep_group, backend=self.backend
+            x_TH,
+            topk_idx_TK,
+            topk_weights_TK,
+            self.fc1(),
+            self.ep_group,
+            backend=self.backend,
+            precision=self.precision,
         )
         return grouped_gemm_combine(h, dispatch_weights, handle, self.fc2())
 
@@ -144,6 +152,8 @@ class MegaMoEConfig:
     router: RouterConfig
     shared_expert_intermediate_size: int | None = None
     backend: str = "auto"
+    precision: str = "bf16"
+    """number format of the expert GEMMs: ``bf16`` or ``mxfp8`` (parameters keep ``dtype``)."""
     dtype: torch.dtype = torch.float32
     seed: int = 0
 
@@ -162,6 +172,7 @@ class MegaMoELayer(nn.Module):
             ep_group=ep_group,
             dtype=cfg.dtype,
             backend=cfg.backend,
+            precision=cfg.precision,
         )
         self.experts.reset_parameters(seed=cfg.seed)
         self.shared_expert = None

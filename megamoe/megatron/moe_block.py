@@ -101,6 +101,7 @@ class MegaMoEBlock(MegatronModule):
             dtype=config.params_dtype,
             device=device,
             backend=self.options.backend,
+            precision=self.options.precision,
         )
         if config.perform_initialization:
             for e in range(self.experts.num_local_experts):
