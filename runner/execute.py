@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 GRACE_S = 20.0
 TAIL_LINES = 20
 _RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:")
+_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _SRUN_TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): Exited with exit code (\d+)")
 
 
@@ -222,8 +223,11 @@ def run_torchrun(plan: LaunchPlan, step: Step, ctx: NodeContext, req: Request, e
             stdin=subprocess.DEVNULL,
         )
 
+        root_cause: list[int] = []
+
         def on_line(line: str) -> None:
             log.write(line)
+            _root_cause(line, root_cause)
             m = _RANK_PREFIX.match(line)
             if show is None or m is None or int(m.group(1)) in show:
                 sys.stdout.write(line)
@@ -232,9 +236,20 @@ def run_torchrun(plan: LaunchPlan, step: Step, ctx: NodeContext, req: Request, e
         with _forwarding(proc):
             assert proc.stdout is not None
             rc = _exit_code(_pump(proc.stdout, proc, on_line))
+    if rc != 0 and len(root_cause) == 2 and not _forwarder.received:
+        code = root_cause[1]
+        rc = 128 - code if code < 0 else code  # the failing worker's code, not torchrun's 1
     if rc != 0:
         logger.error("training exited with code %d (node log: %s)", rc, log_path)
     return rc
+
+
+def _root_cause(line: str, state: list[int]) -> None:
+    """torchrun exits 1 whatever its worker did; its summary names the first failure's exit code."""
+    if not state and "Root Cause (first observed failure)" in line:
+        state.append(0)
+    elif len(state) == 1 and (m := _EXITCODE.search(line)):
+        state.append(int(m.group(1)))
 
 
 def _console_ranks(mode: str, ctx: NodeContext) -> set[int] | None:
