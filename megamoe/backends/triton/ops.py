@@ -17,6 +17,7 @@ from megamoe.backends.triton.configs import gemm_config, num_programs, wgrad_con
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
 from megamoe.backends.triton.padding import zero_padding_rows
 from megamoe.backends.triton.routing import RoutingPlan
+from megamoe.backends.triton.swiglu import swiglu_backward, swiglu_forward
 from megamoe.backends.triton.wgrad import grouped_wgrad
 
 
@@ -103,23 +104,38 @@ def gemm2_combine_forward(
     tiles_X3: Tensor,
     num_tiles_1: Tensor,
 ) -> Tensor:
-    """``y [T, H] = sum_k w * (silu(gate) * up) @ W2^T``: SwiGLU fused into the A load, then the combine."""
+    """``y [T, H] = sum_k w * (silu(gate) * up) @ W2^T``: SwiGLU pass, GEMM2, weighted combine."""
     G, H, inter = w2_GHI.shape
     plan = _plan(
         num_tokens, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1
     )
     y = h_R2I.new_empty(num_tokens, H)
-    if h_R2I.shape[0] == 0:
+    R = h_R2I.shape[0]
+    if R == 0:
         return y.zero_()
-    o = h_R2I.new_empty(h_R2I.shape[0], H)
+    a = h_R2I.new_empty(R, inter)
+    swiglu_forward(h_R2I, a, expert_start_G1[-1:])
+    o = h_R2I.new_empty(R, H)
     cfg = gemm_config("gemm2", h_R2I.device)
-    grouped_gemm(h_R2I, w2_GHI, o, plan, a_mode=2, b_kn=False, config=cfg, num_sms=num_programs(h_R2I.device))
+    grouped_gemm(a, w2_GHI, o, plan, a_mode=0, b_kn=False, config=cfg, num_sms=num_programs(h_R2I.device))
     combine(o, slot_row_S, y, topk=topk, weights_R=dispatch_weights_R)
     return y
 
 
 @gemm2_combine_forward.register_fake
-def _(h_R2I, dispatch_weights_R, w2_GHI, num_tokens, *_):
+def _(
+    h_R2I,
+    dispatch_weights_R,
+    w2_GHI,
+    num_tokens,
+    topk,
+    block_m,
+    row_token_R,
+    slot_row_S,
+    expert_start_G1,
+    tiles_X3,
+    num_tiles_1,
+):
     return h_R2I.new_empty(num_tokens, w2_GHI.shape[1])
 
 
@@ -140,47 +156,45 @@ def gemm2_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Return ``(dh [R, 2I], d_dispatch_weights [R], dW2 [G, H, I])`` (dW2 empty unless asked for).
 
-    One grouped GEMM ``da = dy[row_token] @ W2`` whose epilogue does the SwiGLU backward with the
-    routing weight, the unweighted ``<da, a>`` per row (the routing-weight gradient) and ``w * a`` for
-    dW2; then the K-grouped ``dW2 = dy^T (w * a)``.
+    ``dy`` is gathered into expert order once (GEMM2-dgrad's A and dW2's P); ``da = dy W2`` by the
+    grouped GEMM; one SwiGLU-backward pass gives ``dh``, ``w * a`` and the routing-weight gradient
+    ``<da, a>``; then the K-grouped ``dW2 = dy^T (w * a)``.
     """
-    G, H, inter = w2_GHI.shape
+    G, _, inter = w2_GHI.shape
     T = dy_TH.shape[0]
     plan = _plan(T, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1)
     R = h_R2I.shape[0]
     dh = h_R2I.new_empty(R, 2 * inter)
-    d_weights = torch.zeros(R, dtype=dispatch_weights_R.dtype, device=h_R2I.device)
+    d_weights = torch.zeros(R, dtype=torch.float32, device=h_R2I.device)
     dw2 = torch.zeros_like(w2_GHI) if need_dw2 else w2_GHI.new_empty(0)
     if R == 0:
-        return dh, d_weights, dw2
+        return dh, d_weights.to(dispatch_weights_R.dtype), dw2
+    dy_RH = dy_TH.index_select(0, row_token_R)
+    da = h_R2I.new_empty(R, inter)
     cfg = gemm_config("dgrad2", h_R2I.device)
-    num_n = -(-inter // cfg["BLOCK_N"])
+    grouped_gemm(dy_RH, w2_GHI, da, plan, a_mode=0, b_kn=True, config=cfg, num_sms=num_programs(h_R2I.device))
     aw = h_R2I.new_empty(R, inter)
-    dw_part = torch.empty(R, num_n, dtype=torch.float32, device=h_R2I.device)
-    grouped_gemm(
-        dy_TH,
-        w2_GHI,
-        dh,
-        plan,
-        a_mode=1,
-        b_kn=True,
-        config=cfg,
-        num_sms=num_programs(h_R2I.device),
-        a_rows=row_token_R,
-        h=h_R2I,
-        scale=dispatch_weights_R,
-        aw=aw,
-        dw_part=dw_part,
-    )
-    zero_padding_rows(dh, expert_start_G1)
-    d_weights = _valid_rows(plan, dw_part.sum(1)).to(dispatch_weights_R.dtype)
+    swiglu_backward(h_R2I, da, dispatch_weights_R, dh, aw, d_weights, expert_start_G1[-1:])
     if need_dw2:
-        grouped_wgrad(dy_TH, aw, dw2, plan, config=wgrad_config(h_R2I.device), p_rows=row_token_R)
-    return dh, d_weights, dw2
+        grouped_wgrad(dy_RH, aw, dw2, plan, config=wgrad_config(h_R2I.device))
+    return dh, d_weights.to(dispatch_weights_R.dtype), dw2
 
 
 @gemm2_backward.register_fake
-def _(h_R2I, dispatch_weights_R, w2_GHI, dy_TH, need_dw2, *_):
+def _(
+    h_R2I,
+    dispatch_weights_R,
+    w2_GHI,
+    dy_TH,
+    need_dw2,
+    topk,
+    block_m,
+    row_token_R,
+    slot_row_S,
+    expert_start_G1,
+    tiles_X3,
+    num_tiles_1,
+):
     R, two_i = h_R2I.shape
     dw2 = w2_GHI.new_empty(w2_GHI.shape) if need_dw2 else w2_GHI.new_empty(0)
     return h_R2I.new_empty(R, two_i), dispatch_weights_R.new_empty(R), dw2
@@ -201,10 +215,10 @@ def gemm1_backward(
     tiles_X3: Tensor,
     num_tiles_1: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    """Return ``(dx [T, H], dW1 [G, 2I, H])``: dgrad ``dh @ W1`` reduced over the K slots, and the
-    K-grouped ``dW1 = dh^T x[row_token]`` (the dispatch of ``x`` recomputed as a gather)."""
+    """Return ``(dx [T, H], dW1 [G, 2I, H])``: the dgrad ``dh @ W1`` reduced over the K slots, and the
+    K-grouped ``dW1 = dh^T x_sorted`` (the dispatch of ``x`` recomputed as a transient gather)."""
     T, H = x_TH.shape
-    G, two_i, _ = w1_G2IH.shape
+    G = w1_G2IH.shape[0]
     plan = _plan(T, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1)
     R = grad_h_R2I.shape[0]
     dx = x_TH.new_zeros(T, H) if need_dx else x_TH.new_empty(0)
@@ -225,13 +239,29 @@ def gemm1_backward(
             num_sms=num_programs(x_TH.device),
         )
         combine(dx_rows, slot_row_S, dx, topk=topk, weights_R=None)
+        del dx_rows
     if need_dw1:
-        grouped_wgrad(grad_h_R2I, x_TH, dw1, plan, config=wgrad_config(x_TH.device), q_rows=row_token_R)
+        grouped_wgrad(
+            grad_h_R2I, x_TH.index_select(0, row_token_R), dw1, plan, config=wgrad_config(x_TH.device)
+        )
     return dx, dw1
 
 
 @gemm1_backward.register_fake
-def _(x_TH, w1_G2IH, grad_h_R2I, need_dx, need_dw1, *_):
+def _(
+    x_TH,
+    w1_G2IH,
+    grad_h_R2I,
+    need_dx,
+    need_dw1,
+    topk,
+    block_m,
+    row_token_R,
+    slot_row_S,
+    expert_start_G1,
+    tiles_X3,
+    num_tiles_1,
+):
     dx = x_TH.new_empty(x_TH.shape) if need_dx else x_TH.new_empty(0)
     dw1 = w1_G2IH.new_empty(w1_G2IH.shape) if need_dw1 else w1_G2IH.new_empty(0)
     return dx, dw1

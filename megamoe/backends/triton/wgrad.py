@@ -5,16 +5,20 @@ Legend: R rows (expert-sorted), G local experts, M and N the weight's two dimens
     for (g, m_tile, n_tile) in grid:                  # one program per output tile, experts outermost
         acc = 0
         for r in range(start[g], start[g + 1], BLOCK_K):   # the expert's rows are the reduction
-            acc += P[p_rows[r:r+BK], m:m+BM]^T @ Q[q_rows[r:r+BK], n:n+BN]
+            acc += P[r:r+BK, m:m+BM]^T @ Q[r:r+BK, n:n+BN]
         dW[g, m:m+BM, n:n+BN] = acc                   # zero for an expert without rows
 
-``p_rows``/``q_rows`` gather rows by index (the recomputed dispatch of ``x`` for dW1, of ``dy`` for
-dW2), so no dispatched copy is materialised. Each output element is one fp32 sum in row order with
+P and Q are read through device-side TMA descriptors built per program over the expert's rows, so
+the last partial chunk is zero-filled by the copy engine instead of masked in registers. Both must
+be contiguous expert-sorted rows: the backward gathers ``x`` (dW1) and ``dy`` (dW2) into a transient
+sorted copy first — measured on an H200, row-gather pointer loads ran this kernel at ~390 TFLOP/s
+against ~510 with both operands contiguous. Each output element is one fp32 sum in row order with
 no split-K and no atomics: the result has the same bits on every run.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -22,20 +26,19 @@ from torch import Tensor
 from megamoe.backends.triton.routing import RoutingPlan
 
 
+def _alloc_scratch(size: int, alignment: int, stream) -> Tensor:
+    """Global scratch for device-side TMA descriptors (one per program), from torch's allocator."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 @triton.jit
 def _wgrad_kernel(
     p_ptr,
-    p_rows_ptr,
     q_ptr,
-    q_rows_ptr,
     out_ptr,
     expert_start_ptr,
     M,
     N,
-    stride_p,
-    stride_q,
-    P_GATHER: tl.constexpr,
-    Q_GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -52,66 +55,47 @@ def _wgrad_kernel(
     size = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (local % width) % size
     pid_n = (local % width) // size
-    start = tl.load(expert_start_ptr + expert)
-    end = tl.load(expert_start_ptr + expert + 1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    start = tl.load(expert_start_ptr + expert).to(tl.int64)
+    rows = tl.load(expert_start_ptr + expert + 1).to(tl.int64) - start
+    # Descriptors over this expert's rows only: TMA zero-fills past its last row.
+    p_desc = tl.make_tensor_descriptor(
+        p_ptr + start * M,
+        shape=[tl.maximum(rows, 1).to(tl.int32), M],
+        strides=[M, 1],
+        block_shape=[BLOCK_K, BLOCK_M],
+    )
+    q_desc = tl.make_tensor_descriptor(
+        q_ptr + start * N,
+        shape=[tl.maximum(rows, 1).to(tl.int32), N],
+        strides=[N, 1],
+        block_shape=[BLOCK_K, BLOCK_N],
+    )
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_K):
-        rows = r0 + tl.arange(0, BLOCK_K)
-        mask_r = rows < end
-        if P_GATHER:
-            p_rows = tl.load(p_rows_ptr + rows, mask=mask_r, other=0).to(tl.int64)
-        else:
-            p_rows = rows.to(tl.int64)
-        if Q_GATHER:
-            q_rows = tl.load(q_rows_ptr + rows, mask=mask_r, other=0).to(tl.int64)
-        else:
-            q_rows = rows.to(tl.int64)
-        p = tl.load(
-            p_ptr + p_rows[:, None] * stride_p + offs_m[None, :],
-            mask=mask_r[:, None] & mask_m[None, :],
-            other=0.0,
-        )
-        q = tl.load(
-            q_ptr + q_rows[:, None] * stride_q + offs_n[None, :],
-            mask=mask_r[:, None] & mask_n[None, :],
-            other=0.0,
-        )
+    for r0 in range(0, rows, BLOCK_K):
+        p = p_desc.load([r0, m0])
+        q = q_desc.load([r0, n0])
         acc = tl.dot(p.T, q, acc)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     out_ptrs = out_ptr + expert.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
-def grouped_wgrad(
-    p: Tensor,
-    q: Tensor,
-    out_GMN: Tensor,
-    plan: RoutingPlan,
-    *,
-    config: dict,
-    p_rows: Tensor | None = None,
-    q_rows: Tensor | None = None,
-) -> None:
-    """Write ``out_GMN[g] = P_g^T Q_g`` (``P [*, M]``, ``Q [*, N]``; rows gathered when ``*_rows`` given)."""
+def grouped_wgrad(p_RM: Tensor, q_RN: Tensor, out_GMN: Tensor, plan: RoutingPlan, *, config: dict) -> None:
+    """Write ``out_GMN[g] = P_g^T Q_g`` for contiguous expert-sorted ``P [R, M]`` and ``Q [R, N]``."""
     G, M, N = out_GMN.shape
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    grid = (G * triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _wgrad_kernel[grid](
-        p,
-        p_rows,
-        q,
-        q_rows,
+    if p_RM.is_cuda:
+        triton.set_allocator(_alloc_scratch)
+    _wgrad_kernel[(G * triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+        p_RM.contiguous(),
+        q_RN.contiguous(),
         out_GMN,
         plan.expert_start_G1,
         M,
         N,
-        p.stride(0),
-        q.stride(0),
-        P_GATHER=p_rows is not None,
-        Q_GATHER=q_rows is not None,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
