@@ -9,7 +9,6 @@ raise with the closest known key.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import difflib
 import functools
 import types
@@ -24,11 +23,13 @@ _TRUE = frozenset({"true", "yes", "on", "1"})
 _FALSE = frozenset({"false", "no", "off", "0"})
 
 
-def unknown_key_error(key: str, known: typing.Iterable[str]) -> InvalidConfigError:
+def unknown_key_error(key: str, value: Any, known: typing.Iterable[str]) -> InvalidConfigError:
     """``key`` is not a setting; the remedy names the closest one (difflib), if any is close."""
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-    remedy = f"Did you mean {close[0]!r}?" if close else "See docs/training.md for the accepted keys"
-    return InvalidConfigError(key, "...", "unknown setting", remedy)
+    remedy = (
+        f"Use {close[0]!r}, the closest known key" if close else "docs/training.md lists the accepted keys"
+    )
+    return InvalidConfigError(key, value, "unknown setting", remedy)
 
 
 def build_config(identity: dict[str, Any], params: dict[str, Any]) -> schema.PretrainConfig:
@@ -37,13 +38,13 @@ def build_config(identity: dict[str, Any], params: dict[str, Any]) -> schema.Pre
     per_section: dict[str, dict[str, Any]] = {name: {} for name in schema.SECTIONS}
     for key, value in params.items():
         if key not in owner:
-            raise unknown_key_error(key, [*owner, *schema.IDENTITY_KEYS])
+            raise unknown_key_error(key, value, [*owner, *schema.IDENTITY_KEYS])
         section = owner[key]
         per_section[section][key] = convert(key, value, _hints(schema.SECTIONS[section])[key])
     top = {}
     for key, value in identity.items():
         if key not in schema.IDENTITY_KEYS:
-            raise unknown_key_error(key, schema.IDENTITY_KEYS)
+            raise unknown_key_error(key, value, schema.IDENTITY_KEYS)
         top[key] = convert(key, value, str)
     sections = {name: schema.SECTIONS[name](**values) for name, values in per_section.items()}
     return schema.PretrainConfig(**top, **sections)
@@ -58,7 +59,7 @@ def annotation_of(key: str) -> Any:
     """The type annotation of a flat key (raises for an unknown key)."""
     owner = schema.section_of()
     if key not in owner:
-        raise unknown_key_error(key, owner)
+        raise unknown_key_error(key, None, owner)
     return _hints(schema.SECTIONS[owner[key]])[key]
 
 
@@ -96,12 +97,11 @@ def _convert_union(key: str, value: Any, args: tuple[Any, ...]) -> Any:
     members = [a for a in args if a is not type(None)]
     if type(None) in args and _is_null(value):
         return None
-    errors = []
     for member in members:
         try:
             return convert(key, value, member)
-        except InvalidConfigError as e:
-            errors.append(e.problem)
+        except InvalidConfigError:
+            continue
     allowed = " or ".join(_type_name(m) for m in members) + (" or null" if type(None) in args else "")
     raise InvalidConfigError(key, value, f"expected {allowed}")
 
@@ -111,7 +111,7 @@ def _convert_literal(key: str, value: Any, choices: tuple[Any, ...]) -> Any:
         if value == choice or (isinstance(value, str) and str(choice).lower() == value.strip().lower()):
             return choice
     close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-    remedy = f"Did you mean {close[0]!r}?" if close else ""
+    remedy = f"Use {close[0]!r}" if close else ""
     raise InvalidConfigError(key, value, f"must be one of {', '.join(map(str, choices))}", remedy)
 
 
@@ -221,12 +221,3 @@ def _type_name(annotation: Any) -> str:
     if typing.get_origin(annotation) is list:
         return f"list of {_type_name(typing.get_args(annotation)[0])}"
     return getattr(annotation, "__name__", str(annotation))
-
-
-def to_plain(value: Any) -> Any:
-    """A dataclass tree as plain YAML-able data (lists, dicts, scalars)."""
-    if dataclasses.is_dataclass(value):
-        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [to_plain(v) for v in value]
-    return value

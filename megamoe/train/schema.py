@@ -119,8 +119,6 @@ class MoEConfig:
     """``uniform``: random router logits (megatron-core); ``even``: round-robin slots (Primus)."""
     moe_layer_recompute: bool = False
     moe_per_layer_logging: bool = False
-    moe_permute_fusion: bool = False
-    moe_router_fusion: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -289,6 +287,8 @@ class KernelHints:
     moe_use_fused_router_with_aux_score: bool = False
     moe_use_legacy_grouped_gemm: bool = False
     moe_enable_deepep: bool = False
+    moe_permute_fusion: bool = False
+    moe_router_fusion: bool = False
     enable_experimental: bool = False
     apply_rope_fusion: bool = False
     cross_entropy_fusion_impl: str = "native"

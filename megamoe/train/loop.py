@@ -1,0 +1,375 @@
+"""The pretraining run: process groups, model, optimizer, resume, the step loop, checkpoints, summary.
+
+One step = megatron-core's forward/backward schedule (no pipelining, 1F1B, or interleaved 1F1B when
+the layout has virtual stages) over ``num_microbatches`` micro-batches, then the (distributed)
+optimizer step, the LR schedule, metrics. Rank 0 shows a progress bar, logs every
+``log_interval`` steps, appends one JSON line per step to ``<output_dir>/training_log.jsonl`` and
+ends with a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megamoe.train import checkpoint, data, distributed, metrics, model
+from megamoe.train.schema import PretrainConfig
+from megamoe.train.validate import RunPlan, plan_run
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Summary:
+    """What a finished run reports (rank 0 logs it; tests read it)."""
+
+    first_iteration: int
+    last_iteration: int
+    first_loss: float | None
+    last_loss: float | None
+    mean_step_s: float | None
+    tokens_per_s: float | None
+    tflops_per_gpu: float | None
+    peak_mem_gib: float
+    checkpoint: str | None
+    wall_s: float
+
+    def text(self) -> str:
+        def fmt(value: float | None, spec: str) -> str:
+            return "n/a" if value is None else format(value, spec)
+
+        return (
+            f"trained iterations {self.first_iteration + 1}..{self.last_iteration} | "
+            f"lm loss {fmt(self.first_loss, '.4f')} -> {fmt(self.last_loss, '.4f')} | "
+            f"step {fmt(self.mean_step_s and self.mean_step_s * 1000, '.1f')} ms | "
+            f"{fmt(self.tokens_per_s, ',.0f')} tokens/s | {fmt(self.tflops_per_gpu, '.2f')} TFLOP/s/GPU | "
+            f"peak mem {self.peak_mem_gib:.2f} GiB | checkpoint {self.checkpoint or 'none'} | "
+            f"wall {self.wall_s:.1f} s"
+        )
+
+
+def after_optimizer_step(switch: model.MoESwitch) -> None:
+    """Issue 8 fills this single call site: advance MegaMoE's weight generation (mxfp8 weight cache)
+    once per optimizer step when ``switch`` uses mxfp8 experts. Nothing to do for bf16."""
+
+
+def pretrain(cfg: PretrainConfig, environ: Mapping[str, str]) -> Summary:
+    """Run the whole job on this rank; every rank calls it (under torchrun, or alone)."""
+    started = time.perf_counter()
+    info = distributed.rank_info(environ)
+    plan = plan_run(cfg, world_size=info.world_size, has_cuda=torch.cuda.is_available())
+    if info.rank == 0:
+        for note in plan.notes:
+            logger.warning(note)
+    distributed.cpu_threads(environ)
+    distributed.init_distributed(info, environ)
+    try:
+        return _train(cfg, plan, info, started)
+    finally:
+        _release_cuda_graphs()
+        distributed.teardown()
+
+
+def _train(cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, started: float) -> Summary:
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    tconfig = model.transformer_config(cfg, plan)
+    distributed.init_model_parallel(cfg, tconfig.virtual_pipeline_model_parallel_size)
+    _seed(cfg.training.seed, tensor_parallel)
+    switch = model.decide_moe_switch(cfg, tconfig)
+    logger.info(
+        "MoE block: %s (%s)", "MegaMoE" if switch.use_mega_moe else "megatron-core MoELayer", switch.reason
+    )
+
+    tokenizer = data.null_tokenizer(cfg.model.vocab_size)
+    chunks = model.build_model_chunks(cfg, tconfig, switch, tokenizer.vocab_size)
+    logger.info(
+        "model: %d chunk(s), %s parameters on rank 0; TP=%d PP=%d VPP=%s EP=%d DP=%d, %d micro-batches/step",
+        len(chunks),
+        f"{model.count_parameters(chunks):,}",
+        cfg.parallel.tensor_model_parallel_size,
+        cfg.parallel.pipeline_model_parallel_size,
+        tconfig.virtual_pipeline_model_parallel_size,
+        cfg.parallel.expert_model_parallel_size,
+        plan.data_parallel_size,
+        plan.num_microbatches,
+    )
+    ddp_chunks = model.wrap_ddp(cfg, tconfig, chunks)
+    optimizer = _optimizer(cfg, tconfig, ddp_chunks)
+    scheduler = _scheduler(cfg, plan, optimizer)
+    _wire_config(cfg, tconfig, ddp_chunks, optimizer)
+
+    start = 0
+    if cfg.checkpoint.auto_continue_train:
+        c = cfg.checkpoint
+        start = checkpoint.load(
+            plan.load_dir,
+            ddp_chunks,
+            optimizer,
+            scheduler,
+            finetune=c.finetune,
+            with_optimizer=not c.no_load_optim,
+            with_rng=not c.no_load_rng,
+        )
+    if start >= cfg.training.train_iters:
+        logger.info(
+            "checkpoint is at iteration %d >= train_iters=%d: nothing to train",
+            start,
+            cfg.training.train_iters,
+        )
+
+    dataset = data.mock_dataset(cfg, plan, tokenizer)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    iterators = [
+        data.batches(dataset, plan, cfg.training.micro_batch_size, dp_rank, start) for _ in ddp_chunks
+    ]
+    forward_backward = get_forward_backward_func()
+    step_flops = metrics.flops_per_iteration(cfg, plan.global_batch_size)
+    log_path = Path(cfg.output_dir) / "training_log.jsonl"
+    if info.rank == 0:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+
+    history: list[metrics.StepStats] = []
+    saved: str | None = None
+    stop = min(cfg.training.train_iters, cfg.training.exit_interval or cfg.training.train_iters)
+    bar = tqdm(
+        total=cfg.training.train_iters,
+        initial=start,
+        desc="train",
+        unit="it",
+        file=sys.stderr,
+        disable=info.rank != 0 or not cfg.logging.progress_bar,
+        dynamic_ncols=True,
+    )
+    for step in range(start, stop):
+        stats = _one_step(
+            cfg, plan, step, ddp_chunks, iterators, forward_backward, optimizer, scheduler, switch, step_flops
+        )
+        history.append(stats)
+        if info.rank == 0:
+            with log_path.open("a") as f:
+                f.write(json.dumps(asdict(stats)) + "\n")
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats.lm_loss:.4f}", refresh=False)
+            if stats.iteration % cfg.logging.log_interval == 0 or stats.iteration == stop:
+                logger.info(stats.line(cfg.training.train_iters))
+        if not math.isfinite(stats.lm_loss):
+            raise FloatingPointError(f"lm loss is {stats.lm_loss} at iteration {stats.iteration}")
+        interval = cfg.checkpoint.save_interval
+        if interval and stats.iteration % interval == 0:
+            saved = str(_save(cfg, plan, stats.iteration, ddp_chunks, optimizer, scheduler))
+    bar.close()
+    last = history[-1].iteration if history else start
+    final = str(checkpoint.iteration_dir(plan.save_dir, last))
+    if history and not cfg.checkpoint.disable_last_saving and saved != final:
+        saved = str(_save(cfg, plan, last, ddp_chunks, optimizer, scheduler))
+    summary = _summarize(cfg, start, last, history, saved, started)
+    if info.rank == 0:
+        logger.info("summary: %s", summary.text())
+    return summary
+
+
+def _seed(seed: int, tensor_parallel: Any) -> None:
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():  # the CUDA RNG tracker (dropout, expert-parallel init); CPU uses compat's
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _optimizer(cfg: PretrainConfig, tconfig: Any, ddp_chunks: list[Any]) -> Any:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    o, t = cfg.optimizer, cfg.training
+    config = OptimizerConfig(
+        optimizer=o.optimizer,
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        sgd_momentum=o.sgd_momentum,
+        clip_grad=o.clip_grad,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        params_dtype=tconfig.params_dtype,
+        loss_scale=o.loss_scale,
+        initial_loss_scale=o.initial_loss_scale,
+        use_distributed_optimizer=o.use_distributed_optimizer,
+        overlap_param_gather=o.overlap_param_gather,
+    )
+    return get_megatron_optimizer(config, ddp_chunks)
+
+
+def _scheduler(cfg: PretrainConfig, plan: RunPlan, optimizer: Any) -> Any:
+    """LR/WD schedule stepped in samples, like Megatron (warm-up and decay given in iterations)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o, gbs = cfg.optimizer, plan.global_batch_size
+    decay_iters = o.lr_decay_iters or cfg.training.train_iters
+    start_wd = o.start_weight_decay if o.start_weight_decay is not None else o.weight_decay
+    end_wd = o.end_weight_decay if o.end_weight_decay is not None else o.weight_decay
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=o.lr_warmup_init,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters * gbs,
+        lr_decay_steps=decay_iters * gbs,
+        lr_decay_style=o.lr_decay_style,
+        start_wd=start_wd,
+        end_wd=end_wd,
+        wd_incr_steps=cfg.training.train_iters * gbs,
+        wd_incr_style=o.weight_decay_incr_style,
+        wsd_decay_steps=decay_iters * gbs if o.lr_decay_style == "WSD" else None,
+        lr_wsd_decay_style="linear" if o.lr_decay_style == "WSD" else None,
+    )
+
+
+def _wire_config(cfg: PretrainConfig, tconfig: Any, ddp_chunks: list[Any], optimizer: Any) -> None:
+    """What megatron's schedules call back into: loss scaling, grad finalisation, overlapped syncs."""
+    from megatron.core.distributed import finalize_model_grads
+
+    def one_or_list(funcs: list[Any]) -> Any:
+        return funcs[0] if len(funcs) == 1 else funcs
+
+    tconfig.grad_scale_func = optimizer.scale_loss
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    if cfg.optimizer.overlap_grad_reduce:
+        tconfig.no_sync_func = one_or_list([c.no_sync for c in ddp_chunks])
+        tconfig.grad_sync_func = one_or_list([c.start_grad_sync for c in ddp_chunks])
+    if cfg.optimizer.overlap_param_gather and len(ddp_chunks) > 1:
+        tconfig.param_sync_func = one_or_list([c.start_param_sync for c in ddp_chunks])
+
+
+def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    mask = loss_mask.view(-1).float()
+    loss = (output.float().view(-1) * mask).sum() / mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach()}
+
+
+def _forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    output = chunk(
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+    )
+    return output, partial(_loss, batch["loss_mask"])
+
+
+def _one_step(
+    cfg: PretrainConfig,
+    plan: RunPlan,
+    step: int,
+    ddp_chunks: list[Any],
+    iterators: list[Any],
+    forward_backward: Any,
+    optimizer: Any,
+    scheduler: Any,
+    switch: model.MoESwitch,
+    step_flops: float,
+) -> metrics.StepStats:
+    t0 = time.perf_counter()
+    for chunk in ddp_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = forward_backward(
+        forward_step_func=_forward_step,
+        data_iterator=iterators,
+        model=ddp_chunks,
+        num_microbatches=plan.num_microbatches,
+        seq_length=cfg.training.seq_length,
+        micro_batch_size=cfg.training.micro_batch_size,
+        decoder_seq_length=cfg.training.seq_length,
+        forward_only=False,
+    )
+    _, grad_norm, _ = optimizer.step()
+    after_optimizer_step(switch)
+    scheduler.step(increment=plan.global_batch_size)
+    lm_loss = metrics.gather_loss(losses)
+    aux = metrics.aux_loss(cfg, plan.num_microbatches)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return metrics.StepStats(
+        iteration=step + 1,
+        lm_loss=lm_loss,
+        aux_loss=aux,
+        lr=optimizer.param_groups[0]["lr"],
+        grad_norm=float(grad_norm) if grad_norm is not None else None,
+        seconds=seconds,
+        tokens_per_s=plan.global_batch_size * cfg.training.seq_length / seconds,
+        tflops_per_gpu=step_flops / seconds / plan.world_size / 1e12,
+        peak_mem_gib=metrics.peak_memory_gib(),
+    )
+
+
+def _save(
+    cfg: PretrainConfig, plan: RunPlan, iteration: int, ddp_chunks: list[Any], optimizer: Any, scheduler: Any
+) -> Path:
+    c = cfg.checkpoint
+    t0 = time.perf_counter()
+    path = checkpoint.save(
+        plan.save_dir,
+        iteration,
+        ddp_chunks,
+        optimizer,
+        scheduler,
+        with_optimizer=not c.no_save_optim,
+        with_rng=not c.no_save_rng,
+    )
+    logger.info("saved checkpoint %s in %.1f s", path, time.perf_counter() - t0)
+    return path
+
+
+def _summarize(
+    cfg: PretrainConfig,
+    start: int,
+    last: int,
+    history: list[metrics.StepStats],
+    saved: str | None,
+    started: float,
+) -> Summary:
+    skip = min(cfg.logging.log_avg_skip_iterations, max(len(history) - 1, 0))
+    timed = history[skip:]
+
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    peak = torch.tensor([metrics.peak_memory_gib()], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return Summary(
+        first_iteration=start,
+        last_iteration=last,
+        first_loss=history[0].lm_loss if history else None,
+        last_loss=history[-1].lm_loss if history else None,
+        mean_step_s=mean([s.seconds for s in timed]),
+        tokens_per_s=mean([s.tokens_per_s for s in timed]),
+        tflops_per_gpu=mean([s.tflops_per_gpu for s in timed]),
+        peak_mem_gib=float(peak),
+        checkpoint=saved,
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def _release_cuda_graphs() -> None:
+    if torch.cuda.is_available():
+        from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+        delete_cuda_graphs()
