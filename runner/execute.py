@@ -86,8 +86,8 @@ def _forwarding(proc: subprocess.Popen) -> Iterator[None]:
 
 def _exit_code(rc: int) -> int:
     code = 128 - rc if rc < 0 else rc
-    if _forwarder.received:
-        return code or 128 + _forwarder.received
+    if _forwarder.received:  # ended on our signal: say so, whatever the child made of it
+        return 128 + _forwarder.received
     return code
 
 

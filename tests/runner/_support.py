@@ -70,7 +70,7 @@ def job_env(base: dict[str, str], **extra: str) -> dict[str, str]:
     env = {k: v for k, v in base.items() if not k.startswith(("SLURM_", "MASTER_", "PRIMUS_"))}
     for name in ("NNODES", "NODE_RANK", "GPUS_PER_NODE"):
         env.pop(name, None)
-    env.update(TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", GPUS_PER_NODE="2", **extra)
+    env.update({"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "GPUS_PER_NODE": "2", **extra})
     return env
 
 

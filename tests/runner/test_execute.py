@@ -1,0 +1,58 @@
+"""Real torchrun under `primus-cli direct`: exit codes and signals (2 CPU processes, gloo)."""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.runner._support import ALLREDUCE, PRIMUS_CLI, free_port, job_env, launch, processes_mentioning
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_direct_runs_two_ranks_and_logs_one_file_per_node(tmp_path: Path) -> None:
+    job = tmp_path / "allreduce.py"
+    job.write_text(ALLREDUCE)
+    res = launch(
+        ["direct", "--", "--script", str(job), "a b"],
+        cwd=tmp_path,
+        env=job_env({"PATH": "/usr/bin:/bin"}, MASTER_PORT=free_port()),
+    )
+    assert res.returncode == 0, res.stderr
+    assert "rank 0 world 2 sum 3.0 args ['a b']" in res.stdout
+    assert "rank 1 world 2" in res.stdout  # one node: rank 1 is the last rank
+    [log] = (tmp_path / "logs").glob("*-node0.log")
+    assert "rank 1 world 2" in log.read_text()
+
+
+def test_direct_exit_code_is_the_failing_workers(tmp_path: Path) -> None:
+    job = tmp_path / "fail.py"
+    job.write_text("import os, sys\nsys.exit(5 if os.environ['LOCAL_RANK'] == '1' else 0)\n")
+    res = launch(
+        ["direct", "--", "--script", str(job)],
+        cwd=tmp_path,
+        env=job_env({"PATH": "/usr/bin:/bin"}, MASTER_PORT=free_port()),
+    )
+    assert res.returncode == 5, res.stderr
+
+
+def test_direct_sigterm_reaches_every_process_and_exits_nonzero(tmp_path: Path) -> None:
+    token = f"sleeper_{secrets.token_hex(6)}"
+    job = tmp_path / f"{token}.py"
+    job.write_text("import time\nprint('READY', flush=True)\ntime.sleep(120)\n")
+    env = job_env({"PATH": "/usr/bin:/bin"}, MASTER_PORT=free_port())
+    proc = subprocess.Popen([PRIMUS_CLI, "direct", "--", "--script", str(job)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    assert proc.stdout is not None
+    while "READY" not in (proc.stdout.readline() or "READY"):
+        pass
+    assert len(processes_mentioning(token)) == 4  # primus-cli, torchrun and its 2 workers
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    assert processes_mentioning(token) == []
