@@ -64,7 +64,7 @@ _COMMON = {
     "time": "",
     "extra": [],
     "script": "",
-    "log_dir": "logs/slurm",
+    "log_dir": ".",  # sbatch does not create it: an existing directory
 }
 TEMPLATES = {
     t.name: t

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +40,11 @@ def test_template_unknown_key_and_name_are_errors() -> None:
         templates.render_job("ep8", {"nodez": "2"})
     with pytest.raises(ConfigError, match="Known: ep8"):
         templates.render_job("nope", {})
+
+
+@pytest.mark.parametrize("name", sorted(templates.TEMPLATES))
+def test_examples_are_the_rendered_templates(name: str) -> None:
+    example = Path(__file__).parents[2] / "examples" / f"{name.replace('-', '_')}.sh"
+    assert example.read_text() == templates.render_job(name, {}), (
+        f"re-render: primus-cli template render {name} -o {example}"
+    )

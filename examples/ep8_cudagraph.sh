@@ -1,0 +1,16 @@
+#!/bin/bash
+# primus-cli template ep8-cudagraph: rendered by `primus-cli template render`; every value is quoted.
+#SBATCH --job-name=ep8-cudagraph
+#SBATCH --nodes=1
+#SBATCH --open-mode=append
+#SBATCH --output=./%x-%j.out
+set -euo pipefail
+exec primus-cli direct -- train pretrain --config examples/megatron/configs/MI355X/deepseek_v3-BF16-pretrain.yaml \
+  --num_layers 4 \
+  --expert_model_parallel_size 8 \
+  --moe_router_force_load_balancing_type uniform \
+  --enable_primus_turbo True \
+  --use_turbo_mega_moe True \
+  --cuda_graph_impl local \
+  --cuda_graph_scope full_iteration \
+  --mock_data True
