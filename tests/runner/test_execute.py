@@ -56,3 +56,23 @@ def test_direct_sigterm_reaches_every_process_and_exits_nonzero(tmp_path: Path) 
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     time.sleep(0.5)
     assert processes_mentioning(token) == []
+
+
+def test_direct_hook_exports_and_extras_reach_the_training(tmp_path: Path) -> None:
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "00_env.sh").write_text('echo "env.FROM_HOOK=hooked"\necho "extra.backend_path=/opt/megatron"\n')
+    (hooks / "01_skipped.sh").write_text("exit 1\n")
+    (tmp_path / "launcher.yaml").write_text(f"hooks: {{dir: {hooks}}}\n")
+    job = tmp_path / "show.py"
+    job.write_text("import os, sys\nprint('GOT', os.environ['FROM_HOOK'], sys.argv[1:], flush=True)\n")
+    env = job_env(
+        {"PATH": "/usr/bin:/bin"}, MASTER_PORT=free_port(), GPUS_PER_NODE="1", PRIMUS_SKIP_HOOKS="01_skipped"
+    )
+    res = launch(
+        ["--config", str(tmp_path / "launcher.yaml"), "direct", "--", "--script", str(job), "x"],
+        cwd=tmp_path,
+        env=env,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "GOT hooked ['x', '--backend_path', '/opt/megatron']" in res.stdout

@@ -100,3 +100,36 @@ def test_container_sigterm_ends_the_job_with_nonzero_code_and_no_orphans(
         env=container_env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert left.stdout.strip() == ""
+
+
+def test_container_clean_removes_only_our_labelled_containers(
+    workdir: Path, container_env: dict[str, str]
+) -> None:
+    tag = secrets.token_hex(4)
+    create = ["podman", "create", "--name"]
+    ours = subprocess.run([*create, f"ours-{tag}", "--label", "io.megamoe.primus-cli=1", BASE_IMAGE, "true"],
+                          env=container_env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    theirs = subprocess.run([*create, f"theirs-{tag}", BASE_IMAGE, "true"],
+                            env=container_env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    try:
+        job = workdir / "noop.py"
+        job.write_text("pass\n")
+        env = job_env(container_env, MASTER_PORT=free_port(), GPUS_PER_NODE="1")
+        args = [
+            "--config",
+            str(workdir / "launcher.yaml"),
+            "container",
+            "--clean",
+            "--",
+            "--script",
+            str(job),
+        ]
+        res = launch(args, cwd=workdir, env=env)
+        assert res.returncode == 0, res.stderr
+        exists = ["podman", "container", "exists"]
+        assert subprocess.run([*exists, ours], env=container_env, check=False).returncode == 1
+        assert subprocess.run([*exists, theirs], env=container_env, check=False).returncode == 0
+    finally:
+        subprocess.run(
+            ["podman", "rm", "-f", ours, theirs], env=container_env, capture_output=True, check=False
+        )

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import re
+import secrets
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.runner._support import ALLREDUCE, PRIMUS_CLI, job_env, launch
+from tests.runner._support import ALLREDUCE, PRIMUS_CLI, job_env, launch, processes_mentioning
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 
@@ -127,3 +129,23 @@ def test_sbatch_follow_streams_the_job_and_returns_its_code(
     assert "rank 0 world 4 sum 10.0" in res.stdout and "rank 3 world 4 sum 10.0" in res.stdout
     assert len(list((tmp_path / "logs" / "slurm").glob(f"*-{job_id}-node*.out"))) == 2
     assert not marker.exists()
+
+
+def test_srun_sigterm_stops_every_node_without_orphans(tmp_path: Path, slurm_env: dict[str, str]) -> None:
+    token = f"sleeper_{secrets.token_hex(6)}"
+    job = tmp_path / f"{token}.py"
+    job.write_text("import time\nprint('READY', flush=True)\ntime.sleep(120)\n")
+    args = ["slurm", "srun", "-N", "2", "--", "direct", "--", "--script", str(job)]
+    proc = subprocess.Popen([PRIMUS_CLI, *args], cwd=tmp_path, env=job_env(slurm_env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+    assert proc.stdout is not None
+    ready = 0
+    while ready < 2 and (line := proc.stdout.readline()):  # rank 0 (node1) and rank 3 (node2)
+        ready += "READY" in line
+    assert ready == 2
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 20
+    while processes_mentioning(token) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_mentioning(token) == []
