@@ -24,7 +24,7 @@ $(VENV)/.stamp: pyproject.toml
 venv: $(VENV)/.stamp  ## create the virtual environment
 
 demo: $(VENV)/.stamp  ## the main job: train a tiny MoE with MegaMoE on 2 CPU ranks
-	$(VENV)/bin/primus-cli direct -- train pretrain --config examples/megatron/configs/cpu/moe_tiny-pretrain.yaml
+	GPUS_PER_NODE=$${GPUS_PER_NODE:-2} $(VENV)/bin/primus-cli direct -- train pretrain --config examples/megatron/configs/cpu/moe_tiny-pretrain.yaml
 
 lint: $(VENV)/.stamp  ## ruff
 	$(PY) -m ruff check .

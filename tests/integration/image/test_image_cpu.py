@@ -9,6 +9,7 @@ only from the wheelhouse that `images/build.sh` makes on the host. The job then 
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 import time
@@ -116,6 +117,8 @@ def test_cpu_image_runs_a_job_through_primus_cli_container(
         "none",
         "--python",
         "python3",  # the image's venv (first on its PATH), not the host's
+        "--ulimit-nofile",
+        str(resource.getrlimit(resource.RLIMIT_NOFILE)[1]),  # runc cannot raise it past this box's hard limit
         "--",
         "--gpus-per-node",
         "2",
