@@ -26,7 +26,8 @@ def main() -> int:
         return 2
     req = Request.from_dict(json.loads(data))
     env = {k: v for k, v in os.environ.items() if k != env_mod.REQUEST_VAR}
-    setup_logging(req.config.main.debug, node=env.get("SLURMD_NODENAME") or env.get("HOSTNAME"))
+    where = env.get("SLURMD_NODENAME") or (f"node-rank{env['NODE_RANK']}" if "NODE_RANK" in env else None)
+    setup_logging(req.config.main.debug, node=where)
     host = host_mod.gather(env)
     try:
         plan, ctx = build_plan(req, host, dry_run=False)

@@ -133,3 +133,17 @@ def test_container_clean_removes_only_our_labelled_containers(
         subprocess.run(
             ["podman", "rm", "-f", ours, theirs], env=container_env, capture_output=True, check=False
         )
+
+
+@pytest.mark.slurm
+def test_slurm_srun_container_torchrun_across_two_nodes(
+    workdir: Path, container_env: dict[str, str], slurm_env: dict[str, str]
+) -> None:
+    job = workdir / "allreduce.py"
+    job.write_text(ALLREDUCE)
+    env = job_env({**container_env, **slurm_env})
+    args = ["--config", str(workdir / "launcher.yaml"), "slurm", "srun", "-N", "2", "--", "container", "--",
+            "--script", str(job)]  # fmt: skip
+    res = launch(args, cwd=workdir, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "rank 0 world 4 sum 10.0" in res.stdout and "rank 3 world 4 sum 10.0" in res.stdout
