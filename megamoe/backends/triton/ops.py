@@ -37,18 +37,12 @@ def _plan(
         topk=K,
         num_experts=G,
         block_m=block_m,
-        row_slot_R=row_token_R,  # unused by the kernels
+        row_slot_R=row_token_R,  # the kernels never read it; the launchers take none
         row_token_R=row_token_R,
         slot_row_S=slot_row_S,
         expert_start_G1=expert_start_G1,
         tiles_X3=tiles_X3,
         num_tiles_1=num_tiles_1,
-    )
-
-
-def _valid_rows(plan: RoutingPlan, values_R: Tensor) -> Tensor:
-    return torch.where(
-        plan.row_is_valid_R(), values_R, torch.zeros((), dtype=values_R.dtype, device=values_R.device)
     )
 
 
@@ -165,10 +159,10 @@ def gemm2_backward(
     plan = _plan(T, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1)
     R = h_R2I.shape[0]
     dh = h_R2I.new_empty(R, 2 * inter)
-    d_weights = torch.zeros(R, dtype=torch.float32, device=h_R2I.device)
-    dw2 = torch.zeros_like(w2_GHI) if need_dw2 else w2_GHI.new_empty(0)
+    d_weights = torch.empty(R, dtype=torch.float32, device=h_R2I.device)
+    dw2 = torch.empty_like(w2_GHI) if need_dw2 else w2_GHI.new_empty(0)
     if R == 0:
-        return dh, d_weights.to(dispatch_weights_R.dtype), dw2
+        return dh, d_weights.to(dispatch_weights_R.dtype), dw2.zero_()
     dy_RH = dy_TH.index_select(0, row_token_R)
     da = h_R2I.new_empty(R, inter)
     cfg = gemm_config("dgrad2", h_R2I.device)
@@ -221,10 +215,10 @@ def gemm1_backward(
     G = w1_G2IH.shape[0]
     plan = _plan(T, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1)
     R = grad_h_R2I.shape[0]
-    dx = x_TH.new_zeros(T, H) if need_dx else x_TH.new_empty(0)
-    dw1 = torch.zeros_like(w1_G2IH) if need_dw1 else w1_G2IH.new_empty(0)
-    if R == 0:
-        return dx, dw1
+    dx = x_TH.new_empty(T, H) if need_dx else x_TH.new_empty(0)
+    dw1 = torch.empty_like(w1_G2IH) if need_dw1 else w1_G2IH.new_empty(0)
+    if R == 0:  # every output is written by a kernel below; with no rows they are all zero
+        return dx.zero_(), dw1.zero_()
     if need_dx:
         dx_rows = x_TH.new_empty(R, H)
         cfg = gemm_config("dgrad1", x_TH.device)

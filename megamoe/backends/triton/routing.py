@@ -3,8 +3,13 @@
 Legend: T tokens, K top-k, G local experts, S = T*K slots, R = S rows (static: dropped slots sort
 last and no tile covers them), X tile-table capacity ``ceil(R / BLOCK_M) + G``.
 
-Everything here is a handful of sync-free torch ops on static shapes, so a forward that builds a
-plan captures in a CUDA graph and traces under torch.compile:
+Three small Triton launches on static shapes build the tables (no host sync, so the op captures in
+a CUDA graph), as a stable counting sort::
+
+    block histograms  counts[b, e] = #slots of block b routed to e   (e = G: dropped)
+    offsets           expert_start = exclusive cumsum over e of sum_b counts[b, e];
+                      base[b, e] = expert_start[e] + sum_{b' < b} counts[b', e]; the tile table
+    scatter           row(s) = base[block(s), e(s)] + #earlier slots of block(s) routed to e(s)
 
 * ``row_slot_R``: the slot ``t*K + k`` of each expert-sorted row (stable sort by expert id, so the
   order, and every sum over it, is the same on every run);
@@ -19,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 
@@ -51,46 +58,152 @@ class RoutingPlan:
         return rows < self.expert_start_G1[-1]
 
 
+@triton.jit
+def _histogram_kernel(idx_ptr, counts_ptr, S, G, BLOCK_S: tl.constexpr, BINS: tl.constexpr):
+    slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    expert = tl.load(idx_ptr + slots, mask=slots < S, other=-1).to(tl.int32)
+    key = tl.where((expert >= 0) & (expert < G), expert, G)
+    key = tl.where(slots < S, key, BINS)  # out of range: matches no bin
+    onehot = (key[:, None] == tl.arange(0, BINS)[None, :]).to(tl.int32)
+    tl.store(counts_ptr + tl.program_id(0) * BINS + tl.arange(0, BINS), tl.sum(onehot, axis=0))
+
+
+@triton.jit
+def _offsets_kernel(
+    counts_ptr,
+    base_ptr,
+    expert_start_ptr,
+    tiles_ptr,
+    num_tiles_ptr,
+    num_blocks,
+    G,
+    max_tiles,
+    BLOCK_M: tl.constexpr,
+    BINS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    bins = tl.arange(0, BINS)
+    chunk = tl.arange(0, CHUNK)
+    total = tl.zeros((BINS,), dtype=tl.int32)
+    for b0 in range(0, num_blocks, CHUNK):
+        ptrs = counts_ptr + (b0 + chunk)[:, None] * BINS + bins[None, :]
+        total += tl.sum(tl.load(ptrs, mask=(b0 + chunk < num_blocks)[:, None], other=0), axis=0)
+    start = tl.cumsum(total, axis=0) - total
+    tl.store(expert_start_ptr + bins, start, mask=bins <= G)
+    carry = start
+    for b0 in range(0, num_blocks, CHUNK):
+        rows_ok = (b0 + chunk < num_blocks)[:, None]
+        ptrs = (b0 + chunk)[:, None] * BINS + bins[None, :]
+        c = tl.load(counts_ptr + ptrs, mask=rows_ok, other=0)
+        tl.store(base_ptr + ptrs, carry[None, :] + tl.cumsum(c, axis=0) - c, mask=rows_ok)
+        carry += tl.sum(c, axis=0)
+    is_expert = bins < G
+    tiles = tl.where(is_expert, (total + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_end = tl.cumsum(tiles, axis=0)
+    tl.store(num_tiles_ptr, tl.sum(tiles, axis=0))
+    seg_end = tl.where(is_expert, start + total, 0)
+    for t0 in range(0, max_tiles, CHUNK):
+        tile = t0 + chunk
+        # expert of a tile = number of experts whose tiles all end at or before it
+        expert = tl.sum(((tile_end[None, :] <= tile[:, None]) & is_expert[None, :]).to(tl.int32), axis=1)
+        pick = bins[None, :] == expert[:, None]
+        first_tile = tl.sum(tl.where(pick, tile_end - tiles, 0), axis=1)
+        row0 = tl.sum(tl.where(pick, start, 0), axis=1) + (tile - first_tile) * BLOCK_M
+        used = expert < G
+        row_end = tl.sum(tl.where(pick, seg_end, 0), axis=1)
+        ok = tile < max_tiles
+        tl.store(tiles_ptr + 3 * tile, tl.where(used, expert, -1), mask=ok)
+        tl.store(tiles_ptr + 3 * tile + 1, tl.where(used, row0, 0), mask=ok)
+        tl.store(tiles_ptr + 3 * tile + 2, tl.where(used, row_end, 0), mask=ok)
+
+
+@triton.jit
+def _scatter_kernel(
+    idx_ptr,
+    base_ptr,
+    row_slot_ptr,
+    row_token_ptr,
+    slot_row_ptr,
+    S,
+    G,
+    K,
+    BLOCK_S: tl.constexpr,
+    BINS: tl.constexpr,
+):
+    slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    in_range = slots < S
+    expert = tl.load(idx_ptr + slots, mask=in_range, other=-1).to(tl.int32)
+    valid = (expert >= 0) & (expert < G)
+    key = tl.where(valid, expert, G)
+    key = tl.where(in_range, key, BINS)
+    onehot = (key[:, None] == tl.arange(0, BINS)[None, :]).to(tl.int32)
+    earlier = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+    base = tl.load(base_ptr + tl.program_id(0) * BINS + key, mask=in_range, other=0)
+    row = base + earlier
+    tl.store(row_slot_ptr + row, slots, mask=in_range)
+    tl.store(row_token_ptr + row, slots // K, mask=in_range)
+    tl.store(slot_row_ptr + slots, tl.where(valid, row, -1), mask=in_range)
+
+
 def build_routing_plan(topk_idx_TK: Tensor, *, num_experts: int, block_m: int) -> RoutingPlan:
     """Sort the (token, k) slots by expert and cut each expert's rows into BLOCK_M tiles, on device."""
     T, K = topk_idx_TK.shape
-    G = num_experts
+    S, G = T * K, num_experts
     device = topk_idx_TK.device
-    flat_S = topk_idx_TK.reshape(-1)
-    valid_S = (flat_S >= 0) & (flat_S < G)
-    key_S = torch.where(valid_S, flat_S, G).to(torch.int32)
-    order_R = torch.argsort(key_S, stable=True).to(torch.int32)
-    counts_G1 = torch.zeros(G + 1, dtype=torch.int32, device=device)
-    counts_G1.scatter_add_(0, key_S.long(), torch.ones_like(key_S))
-    counts_G = counts_G1[:G]
-    expert_start_G1 = torch.zeros(G + 1, dtype=torch.int32, device=device)
-    expert_start_G1[1:] = torch.cumsum(counts_G, 0)
-    slot_row_S = torch.empty(T * K, dtype=torch.int32, device=device)
-    slot_row_S.scatter_(0, order_R.long(), torch.arange(T * K, dtype=torch.int32, device=device))
-    slot_row_S = torch.where(valid_S, slot_row_S, -1)
-
-    tiles_G = (counts_G + block_m - 1) // block_m
-    tile_end_G = torch.cumsum(tiles_G, 0).to(torch.int32)
-    max_tiles = -(-T * K // block_m) + G
-    tile_X = torch.arange(max_tiles, dtype=torch.int32, device=device)
-    expert_X = torch.searchsorted(tile_end_G, tile_X, right=True).to(torch.int32)
-    in_use_X = expert_X < G
-    safe_X = expert_X.clamp(max=G - 1).long()
-    first_tile_X = tile_end_G[safe_X] - tiles_G[safe_X]
-    row_start_X = expert_start_G1[safe_X] + (tile_X - first_tile_X) * block_m
-    row_end_X = expert_start_G1[safe_X + 1]
-    tiles_X3 = torch.stack(
-        [torch.where(in_use_X, expert_X, -1), row_start_X, torch.where(in_use_X, row_end_X, 0)], dim=1
-    ).to(torch.int32)
+    interpret = device.type != "cuda"
+    bins = triton.next_power_of_2(G + 1)
+    block_s = 16 if interpret else max(16, min(1024, 16384 // bins))
+    num_blocks = triton.cdiv(S, block_s)
+    warps = 1 if interpret else 8
+    max_tiles = triton.cdiv(S, block_m) + G
+    idx_S = topk_idx_TK.reshape(-1)
+    counts = torch.empty(max(num_blocks, 1), bins, dtype=torch.int32, device=device)
+    base = torch.empty_like(counts)
+    row_slot_R = torch.empty(S, dtype=torch.int32, device=device)
+    row_token_R = torch.empty(S, dtype=torch.int32, device=device)
+    slot_row_S = torch.empty(S, dtype=torch.int32, device=device)
+    expert_start_G1 = torch.empty(G + 1, dtype=torch.int32, device=device)
+    tiles_X3 = torch.empty(max_tiles, 3, dtype=torch.int32, device=device)
+    num_tiles_1 = torch.empty(1, dtype=torch.int32, device=device)
+    if num_blocks:
+        _histogram_kernel[(num_blocks,)](idx_S, counts, S, G, BLOCK_S=block_s, BINS=bins, num_warps=warps)
+    _offsets_kernel[(1,)](
+        counts,
+        base,
+        expert_start_G1,
+        tiles_X3,
+        num_tiles_1,
+        num_blocks,
+        G,
+        max_tiles,
+        BLOCK_M=block_m,
+        BINS=bins,
+        CHUNK=16 if interpret else max(16, min(256, 32768 // bins)),
+        num_warps=warps,
+    )
+    if num_blocks:
+        _scatter_kernel[(num_blocks,)](
+            idx_S,
+            base,
+            row_slot_R,
+            row_token_R,
+            slot_row_S,
+            S,
+            G,
+            K,
+            BLOCK_S=block_s,
+            BINS=bins,
+            num_warps=warps,
+        )
     return RoutingPlan(
         num_tokens=T,
         topk=K,
         num_experts=G,
         block_m=block_m,
-        row_slot_R=order_R,
-        row_token_R=torch.div(order_R, K, rounding_mode="floor").to(torch.int32),
+        row_slot_R=row_slot_R,
+        row_token_R=row_token_R,
         slot_row_S=slot_row_S,
         expert_start_G1=expert_start_G1,
-        tiles_X3=tiles_X3.contiguous(),
-        num_tiles_1=tile_end_G[-1:].contiguous(),
+        tiles_X3=tiles_X3,
+        num_tiles_1=num_tiles_1,
     )

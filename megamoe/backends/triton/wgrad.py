@@ -55,18 +55,19 @@ def _wgrad_kernel(
     size = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (local % width) % size
     pid_n = (local % width) // size
-    start = tl.load(expert_start_ptr + expert).to(tl.int64)
-    rows = tl.load(expert_start_ptr + expert + 1).to(tl.int64) - start
+    first = tl.load(expert_start_ptr + expert)
+    rows = tl.load(expert_start_ptr + expert + 1) - first
+    start = first.to(tl.int64)
     # Descriptors over this expert's rows only: TMA zero-fills past its last row.
     p_desc = tl.make_tensor_descriptor(
         p_ptr + start * M,
-        shape=[tl.maximum(rows, 1).to(tl.int32), M],
+        shape=[tl.maximum(rows, 1), M],
         strides=[M, 1],
         block_shape=[BLOCK_K, BLOCK_M],
     )
     q_desc = tl.make_tensor_descriptor(
         q_ptr + start * N,
-        shape=[tl.maximum(rows, 1).to(tl.int32), N],
+        shape=[tl.maximum(rows, 1), N],
         strides=[N, 1],
         block_shape=[BLOCK_K, BLOCK_N],
     )
