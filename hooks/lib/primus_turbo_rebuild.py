@@ -158,7 +158,7 @@ def read_settings(env: dict, dry_run: bool) -> Settings:
         allow_old=_flag(env, "PRIMUS_TURBO_ALLOW_OLD"),
         gpu_archs=parse_archs(env.get("GPU_ARCHS") or DEFAULT_GPU_ARCHS),
         build_dir=build_dir,
-        lock_timeout_s=_number(env, "PRIMUS_TURBO_LOCK_TIMEOUT", 7200.0, 0.0),
+        lock_timeout_s=_number(env, "PRIMUS_TURBO_LOCK_TIMEOUT", 3000.0, 0.0),
         keep=int(_number(env, "PRIMUS_TURBO_KEEP", 3, 1)),
         install_requirements=_flag(env, "PRIMUS_TURBO_INSTALL_REQUIREMENTS"),
         import_check=_flag(env, "PRIMUS_TURBO_IMPORT_CHECK") or not env.get("PRIMUS_TURBO_IMPORT_CHECK"),
