@@ -162,7 +162,7 @@ build_image() {
 
 case "${1:-up}" in
   up) install_pkgs; write_conf; export CONTAINERS_CONF="$CONF"; build_image ;;
-  image) export CONTAINERS_CONF="$CONF"; build_image ;;
+  image) [ -f "$CONF" ] && export CONTAINERS_CONF="$CONF"; build_image ;;
   env) echo "CONTAINERS_CONF=$CONF" ;;
   *) echo "usage: $0 {up|image|env}" >&2; exit 2 ;;
 esac
