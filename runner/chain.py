@@ -220,7 +220,6 @@ def merge_slurm_flags(
 DIRECT_OPTS: dict[str, tuple[str, bool]] = {
     "--env": ("env", True),
     "--log-dir": ("direct.log_dir", True),
-    "--log_file": ("direct.log_dir", True),
     "--gpus-per-node": ("direct.gpus_per_node", True),
     "--master-port": ("direct.master_port", True),
     "--log-ranks": ("direct.log_ranks", True),

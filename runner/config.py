@@ -133,12 +133,10 @@ class ResolvedConfig:
         return "\n".join(lines)
 
 
-_SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(LauncherConfig)}
-
-
 def _section_types() -> dict[str, type]:
+    """Section name -> its dataclass, in schema order."""
     hints = typing.get_type_hints(LauncherConfig)
-    return {name: hints[name] for name in _SECTIONS}
+    return {f.name: hints[f.name] for f in dataclasses.fields(LauncherConfig)}
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

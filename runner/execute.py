@@ -175,7 +175,13 @@ def preview_hooks(calls: tuple[HookCall, ...], env: Mapping[str, str], python: s
         if not call.dry_run_ok:
             continue
         argv = [*hooks_mod.interpreter(call.path, python), "--dry-run", *call.argv]
-        res = subprocess.run(argv, env=dict(env), capture_output=True, text=True, timeout=60, check=False)
+        try:
+            res = subprocess.run(argv, env=dict(env), capture_output=True, text=True, timeout=60, check=False)
+        except subprocess.TimeoutExpired:
+            logger.warning("hook %s (dry run): no answer within 60 s", call.name)
+            continue
+        if res.returncode != 0:
+            logger.warning("hook %s (dry run): exited with code %d", call.name, res.returncode)
         for line in (res.stdout + res.stderr).splitlines():
             logger.info("hook %s (dry run): %s", call.name, line)
 

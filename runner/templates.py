@@ -71,19 +71,19 @@ TEMPLATES = {
     for t in (
         JobTemplate(
             name="ep8",
-            file="jobs/ep8.sh.j2",
+            file="job_ep8.sh.j2",
             description="single node, EP8, MegaMoE on (direct mode)",
             defaults={**_COMMON, "nodes": 1, "mode": "direct"},
         ),
         JobTemplate(
             name="ep8-cudagraph",
-            file="jobs/ep8.sh.j2",
+            file="job_ep8.sh.j2",
             description="single node, EP8, MegaMoE on, full-iteration CUDA-graph capture (direct mode)",
             defaults={**_COMMON, "nodes": 1, "mode": "direct", "cuda_graph": True},
         ),
         JobTemplate(
             name="pp8-8node",
-            file="jobs/pp8.sh.j2",
+            file="job_pp8.sh.j2",
             description="8 nodes, EP8 + PP8 with an explicit pipeline layout (slurm srun -> container)",
             defaults={
                 **_COMMON,
