@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -39,6 +40,13 @@ class GlobalOpts:
 
 class ChainCommand(click.Command):
     """A mode: its tokens go to chain.parse_chain untouched (click would eat `--` and slurm flags)."""
+
+    def __init__(self, *args: object, usage: str = "", **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.usage = usage
+
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return [self.usage]
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta["chain_args"] = list(args)
@@ -115,7 +123,12 @@ def _launch(mode: str) -> None:
     ctx.exit(execute.execute(plan, req, node, env))
 
 
-for _mode, _help in {
+USAGES = {
+    "direct": "[OPTIONS] [--] <cmd>",
+    "container": "[CONTAINER OPTIONS] [--] [DIRECT OPTIONS] [--] <cmd>",
+    "slurm": "[srun|sbatch] [SLURM FLAGS] -- [container|direct] [OPTIONS] [--] <cmd>",
+}
+HELPS = {
     "direct": """Run <cmd> under torchrun on this node (hooks first).
 
     \b
@@ -127,6 +140,7 @@ for _mode, _help in {
       --log-ranks all|first_last   which ranks reach the console (default first_last)
       --skip-hook NAME      do not run this hook (repeatable; also PRIMUS_SKIP_HOOKS=a,b)
       --hook-timeout S      per-hook timeout in seconds
+      --hooks-dir DIR       hooks directory (default: hooks/ in the checkout)
     """,
     "container": """Run the direct layer inside docker or podman on this node.
 
@@ -138,23 +152,33 @@ for _mode, _help in {
       -v, --volume SRC:DST  extra mount (repeatable); the checkout is always mounted
       --device PATH         extra device (repeatable)
       -e, --env NAME[=V]    forward NAME (by name only; =V sets it first)
-      --ulimit TYPE=S:H, --ipc, --network, --shm-size, --privileged, --cap-add, --security-opt,
-      --name PREFIX, --python PATH
+      --ulimit TYPE=S:H     replaces the configured limit of that type
+      --ipc, --network, --shm-size, --privileged, --cap-add, --security-opt, --name PREFIX, --python PATH
       --clean               remove containers left by earlier primus-cli runs (ours only, by label)
-    then `--` and the direct options, then `--` and <cmd>.
+    then `--`, the direct options (see primus-cli direct --help), `--` and <cmd>.
     """,
     "slurm": """Start the chain on every node of a Slurm job, with srun (default) or sbatch.
 
     \b
-    slurm [srun|sbatch] [slurm flags] -- [container|direct] [opts] [--] <cmd>
-      slurm flags           any srun/sbatch flag: -N 4, --nodes 4, --nodes=4, -p gpu, ...
-                            (merged over slurm.* in the launcher config; the command line wins)
+    slurm flags: any srun/sbatch flag (-N 4, --nodes 4, --nodes=4, -p gpu, ...), merged over
+    slurm.* in the launcher config; the command line wins; one task per node.
       --follow              sbatch: stream the job's logs until it ends, exit with its code
     The entry after `--` defaults to slurm.entry (container).
     """,
-}.items():
+}
+
+
+def _help(mode: str) -> str:
+    return inspect.cleandoc(HELPS[mode]) + "\n\n" + inspect.cleandoc(CMD_HELP)
+
+
+for _mode in HELPS:
     main.command(
-        _mode, cls=ChainCommand, help=_help + CMD_HELP, context_settings={"ignore_unknown_options": True}
+        _mode,
+        cls=ChainCommand,
+        usage=USAGES[_mode],
+        help=_help(_mode),
+        context_settings={"ignore_unknown_options": True},
     )(lambda _m=_mode: _launch(_m))
 
 

@@ -122,14 +122,13 @@ class ResolvedConfig:
     def show(self) -> str:
         """`config show`: one `key: value  # source` line per setting, in schema order."""
         flat = _flatten(self.config.to_dict())
-        width = max(
-            len(f"{k}: {yaml.safe_dump(v, default_flow_style=True).strip()}") for k, v in flat.items()
-        )
-        lines = []
-        for key, value in flat.items():
-            text = f"{key}: {yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()}"
-            text = text.removesuffix("\n...").removesuffix(" ...")
-            lines.append(f"{text.ljust(width)}  # {self.sources.get(key, DEFAULTS_SOURCE)}")
+        texts = {k: yaml.safe_dump(v, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+                 for k, v in flat.items()}  # fmt: skip
+        width = min(max(len(f"{k}: {t}") for k, t in texts.items()), 56)
+        lines = [
+            f"{f'{key}: {text}'.ljust(width)}  # {self.sources.get(key, DEFAULTS_SOURCE)}"
+            for key, text in texts.items()
+        ]
         return "\n".join(lines)
 
 
