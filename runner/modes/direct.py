@@ -108,6 +108,11 @@ def node_context(
             job_id=job,
         )
     else:
+        if int(env.get("SLURM_NNODES", "1") or 1) > 1 and "NNODES" not in env:
+            warnings.append(
+                f"in a {env['SLURM_NNODES']}-node Slurm allocation but not in an srun step: only this node "
+                "runs. Use `primus-cli slurm srun -- direct ...` to start every node."
+            )
         ctx = NodeContext(
             nnodes=env.get("NNODES") or "1",
             node_rank=env.get("NODE_RANK") or "0",

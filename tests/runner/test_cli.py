@@ -163,3 +163,10 @@ def test_template_list_and_render_to_file(workdir: Path) -> None:
     )
     assert res.exit_code == 0 and res.output.strip() == str(out)
     assert "--partition 'cpu x'" in out.read_text() and out.stat().st_mode & 0o100
+
+
+def test_skip_hook_is_shown_as_skipped_in_the_plan(workdir: Path) -> None:
+    args = ["--config", str(workdir / "launcher.yaml"), "--dry-run", "direct", "--skip-hook", "00_mark", "--"]
+    res = _run(*args, "--script", "a.py")
+    assert res.exit_code == 0
+    assert "00_mark.sh  [skipped]" in res.output

@@ -79,3 +79,10 @@ def test_node_log_is_unique_per_node() -> None:
         direct.log_file(req, _ctx({"NNODES": "2", "NODE_RANK": r, "MASTER_ADDR": "h"})) for r in ("0", "1")
     }
     assert len(logs) == 2
+
+
+def test_batch_script_without_srun_runs_one_node_and_says_so() -> None:
+    facts = host_facts(env={"SLURM_JOB_ID": "5", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"})
+    ctx, warnings = direct.node_context(request("direct", SCRIPT), facts, dry_run=False)
+    assert ctx.nnodes == "1"
+    assert any("not in an srun step" in w for w in warnings)
