@@ -170,7 +170,9 @@ def gemm2_backward(
     aw = h_R2I.new_empty(R, inter)
     swiglu_backward(h_R2I, da, dispatch_weights_R, dh, aw, d_weights, expert_start_G1[-1:])
     if need_dw2:
-        grouped_wgrad(dy_RH, aw, dw2, plan, config=wgrad_config(h_R2I.device))
+        grouped_wgrad(
+            dy_RH, aw, dw2, plan, config=wgrad_config(h_R2I.device), num_sms=num_programs(h_R2I.device)
+        )
     return dh, d_weights.to(dispatch_weights_R.dtype), dw2
 
 
@@ -236,7 +238,12 @@ def gemm1_backward(
         del dx_rows
     if need_dw1:
         grouped_wgrad(
-            grad_h_R2I, x_TH.index_select(0, row_token_R), dw1, plan, config=wgrad_config(x_TH.device)
+            grad_h_R2I,
+            x_TH.index_select(0, row_token_R),
+            dw1,
+            plan,
+            config=wgrad_config(x_TH.device),
+            num_sms=num_programs(x_TH.device),
         )
     return dx, dw1
 

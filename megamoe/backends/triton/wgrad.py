@@ -2,14 +2,17 @@
 
 Legend: R rows (expert-sorted), G local experts, M and N the weight's two dimensions.
 
-    for (g, m_tile, n_tile) in grid:                  # one program per output tile, experts outermost
+    for (g, m_tile, n_tile) in tiles[program_id::num_programs]:   # persistent, experts outermost
         acc = 0
         for r in range(start[g], start[g + 1], BLOCK_K):   # the expert's rows are the reduction
             acc += P[r:r+BK, m:m+BM]^T @ Q[r:r+BK, n:n+BN]
         dW[g, m:m+BM, n:n+BN] = acc                   # zero for an expert without rows
 
 P and Q are read through device-side TMA descriptors built per program over the expert's rows, so
-the last partial chunk is zero-filled by the copy engine instead of masked in registers. Both must
+the last partial chunk is zero-filled by the copy engine instead of masked in registers. The grid is
+persistent (one program per multiprocessor, loop flattened so the next tile's loads overlap this
+tile's epilogue): measured on an H200 it gained 0-2 % at DeepSeek-V3 and 7-13 % at Qwen3-30B-A3B,
+whose experts have fewer rows. Both must
 be contiguous expert-sorted rows: the backward gathers ``x`` (dW1) and ``dy`` (dW2) into a transient
 sorted copy first — measured on an H200, row-gather pointer loads ran this kernel at ~390 TFLOP/s
 against ~510 with both operands contiguous. Each output element is one fp32 sum in row order with
@@ -37,66 +40,69 @@ def _wgrad_kernel(
     q_ptr,
     out_ptr,
     expert_start_ptr,
+    G,
     M,
     N,
+    num_programs,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_expert = num_m * num_n
-    expert = pid // per_expert
-    local = pid % per_expert
-    width = GROUP_M * num_n
-    first_m = (local // width) * GROUP_M
-    size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (local % width) % size
-    pid_n = (local % width) // size
-    first = tl.load(expert_start_ptr + expert)
-    rows = tl.load(expert_start_ptr + expert + 1) - first
-    start = first.to(tl.int64)
-    # Descriptors over this expert's rows only: TMA zero-fills past its last row.
-    p_desc = tl.make_tensor_descriptor(
-        p_ptr + start * M,
-        shape=[tl.maximum(rows, 1), M],
-        strides=[M, 1],
-        block_shape=[BLOCK_K, BLOCK_M],
-    )
-    q_desc = tl.make_tensor_descriptor(
-        q_ptr + start * N,
-        shape=[tl.maximum(rows, 1), N],
-        strides=[N, 1],
-        block_shape=[BLOCK_K, BLOCK_N],
-    )
-    m0 = pid_m * BLOCK_M
-    n0 = pid_n * BLOCK_N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rows, BLOCK_K):
-        p = p_desc.load([r0, m0])
-        q = q_desc.load([r0, n0])
-        acc = tl.dot(p.T, q, acc)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    out_ptrs = out_ptr + expert.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    for tile in tl.range(tl.program_id(0), G * per_expert, num_programs, flatten=True):
+        expert = tile // per_expert
+        local = tile % per_expert
+        width = GROUP_M * num_n
+        first_m = (local // width) * GROUP_M
+        size = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (local % width) % size
+        pid_n = (local % width) // size
+        first = tl.load(expert_start_ptr + expert)
+        rows = tl.load(expert_start_ptr + expert + 1) - first
+        start = first.to(tl.int64)
+        # Descriptors over this expert's rows only: TMA zero-fills past its last row.
+        p_desc = tl.make_tensor_descriptor(
+            p_ptr + start * M, shape=[tl.maximum(rows, 1), M], strides=[M, 1], block_shape=[BLOCK_K, BLOCK_M]
+        )
+        q_desc = tl.make_tensor_descriptor(
+            q_ptr + start * N, shape=[tl.maximum(rows, 1), N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N]
+        )
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, rows, BLOCK_K):
+            p = p_desc.load([r0, m0])
+            q = q_desc.load([r0, n0])
+            acc = tl.dot(p.T, q, acc)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        out_ptrs = out_ptr + expert.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(
+            out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :]
+        )
 
 
-def grouped_wgrad(p_RM: Tensor, q_RN: Tensor, out_GMN: Tensor, plan: RoutingPlan, *, config: dict) -> None:
+def grouped_wgrad(
+    p_RM: Tensor, q_RN: Tensor, out_GMN: Tensor, plan: RoutingPlan, *, config: dict, num_sms: int
+) -> None:
     """Write ``out_GMN[g] = P_g^T Q_g`` for contiguous expert-sorted ``P [R, M]`` and ``Q [R, N]``."""
     G, M, N = out_GMN.shape
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     if p_RM.is_cuda:
         triton.set_allocator(_alloc_scratch)
-    _wgrad_kernel[(G * triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+    grid_size = min(num_sms, G * triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    _wgrad_kernel[(grid_size,)](
         p_RM.contiguous(),
         q_RN.contiguous(),
         out_GMN,
         plan.expert_start_G1,
+        G,
         M,
         N,
+        grid_size,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
