@@ -75,7 +75,7 @@ t0=$SECONDS
 log "context $ctx"
 run rm -rf "$ctx"
 run mkdir -p "$ctx/wheels"
-run cp "$ROOT/images/$kind/Dockerfile" "$ctx/Dockerfile"
+run cp "$ROOT/images/$kind/Dockerfile" "$ROOT/images/$kind/primus.yaml" "$ctx/"
 run cp -r "$ROOT/hooks" "$ROOT/examples" "$ctx/"
 # This package as a wheel: the image gets what `pip install` gets, not the work tree.
 run "$python" -m pip wheel --quiet --no-deps --wheel-dir "$ctx/wheels" "$ROOT"

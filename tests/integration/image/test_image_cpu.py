@@ -79,6 +79,23 @@ def test_cpu_image_has_cpu_torch_this_package_and_the_demo(
         check=True,
     )
     assert "examples/megatron/configs/cpu/moe_tiny-pretrain.yaml" in inspect.stdout
+    plan = _in_image(container_env, cpu_image, "primus-cli", "--dry-run", "direct", "--", "--script", "x.py")
+    assert "00_rebuild_primus_turbo.sh  [dry-run-ok]  (/opt/megamoe/hooks/00_rebuild_primus_turbo.sh)" in plan
+    assert "--nproc-per-node 2" in plan  # the image's .primus.yaml: 2 CPU ranks
+
+
+def test_cpu_image_default_command_runs_the_demo(cpu_image: str, container_env: dict[str, str]) -> None:
+    # --network none: torchrun's rendezvous stays on the container's own loopback
+    done = subprocess.run(
+        ["podman", "run", "--rm", "--network", "none", cpu_image],
+        env=container_env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "MoELayer replaced by MegaMoE" in out, out[-4000:]
 
 
 def test_cpu_image_runs_a_job_through_primus_cli_container(
