@@ -97,6 +97,19 @@ def test_rebuild_hook_new_gpu_archs_rebuild(
     assert builds(hook_env) == [fake_turbo.minimum, fake_turbo.minimum]
 
 
+def test_rebuild_hook_shows_progress_during_a_long_build(hook_env: dict[str, str]) -> None:
+    hook_env.update(FAKE_TURBO_BUILD_SLEEP="2", PRIMUS_TURBO_PROGRESS_S="0.5")
+    run = run_hook(hook_env)
+    assert run.returncode == 0, run.stderr
+    beats = [
+        line
+        for line in run.stderr.splitlines()
+        if line.startswith("[primus-turbo] building ") and "s: " in line
+    ]
+    assert len(beats) >= 2, run.stderr
+    assert any("compiling kernels for gfx950" in line for line in beats)  # the log's latest line
+
+
 def test_rebuild_hook_refuses_ref_without_the_minimum_commit(
     hook_env: dict[str, str], fake_turbo: FakeTurbo, tmp_path: Path
 ) -> None:
