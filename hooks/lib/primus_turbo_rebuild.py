@@ -21,13 +21,11 @@ Progress goes to stderr, prefixed ``[primus-turbo]``; stdout carries only ``env.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -35,227 +33,14 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
-from collections import deque
 from collections.abc import Iterator
-from typing import NoReturn
 
-DEFAULT_REPO_URL = "https://github.com/AMD-AGI/Primus-Turbo.git"
-# The oldest Primus-Turbo commit with the MegaMoE op this toolkit drives.
-MIN_COMMIT = "9b5d3092efcbc087657b233d8e9ae662cee6ec6b"
-DEFAULT_GPU_ARCHS = "gfx950"
+from turbo_common import HookError, failure_report, on_signal, redact, run, say, setting_error
+from turbo_git import SHA_RE, check_minimum, checkout, resolve_local, sync_clone
+from turbo_settings import Settings, flag, read_settings
+
 STAMP_NAME = ".primus_turbo_build.json"
-PACKAGE = "primus_turbo"
-LOG_TAIL_LINES = 40
-
-_USERINFO_RE = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
-_ARCH_RE = re.compile(r"^gfx[0-9a-z]+$")
-_SHA_RE = re.compile(r"^[0-9a-f]{40}$")
-
-
-class HookError(Exception):
-    """A failure the user can act on; `code` is the hook's exit status."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def setting_error(name: str, value: str, problem: str, remedy: str) -> HookError:
-    """Bad input: ``<SETTING>=<value>: <problem>. <remedy>.`` with exit status 2."""
-    return HookError(f"{name}={redact(value)}: {problem}. {remedy.rstrip('.')}.", code=2)
-
-
-def redact(text: str) -> str:
-    """Hide the userinfo of every URL (``https://user:token@host`` -> ``https://***@host``)."""
-    return _USERINFO_RE.sub(r"\1***@", text)
-
-
-def say(message: str) -> None:
-    """Progress line on stderr (the launcher shows it; stdout is the hook protocol)."""
-    print(f"[primus-turbo] {redact(message)}", file=sys.stderr, flush=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """The hook's inputs, read once from the environment."""
-
-    repo_url: str
-    ref: str
-    min_commit: str
-    allow_old: bool
-    gpu_archs: tuple
-    build_dir: str
-    lock_timeout_s: float
-    keep: int
-    install_requirements: bool
-    import_check: bool
-    progress_s: float
-    dry_run: bool
-
-    @property
-    def src(self) -> str:
-        return os.path.join(self.build_dir, "src")
-
-    @property
-    def installs(self) -> str:
-        return os.path.join(self.build_dir, "installs")
-
-
-def _flag(env: dict, name: str) -> bool:
-    value = env.get(name, "")
-    if value not in ("", "0", "1"):
-        raise setting_error(
-            name, value, "expected 0 or 1", f"Set {name}=1 to turn it on, unset it to turn it off"
-        )
-    return value == "1"
-
-
-def _number(env: dict, name: str, default: float, minimum: float) -> float:
-    raw = env.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise setting_error(name, raw, f"expected a number >= {minimum:g}", f"Unset {name} for {default:g}")
-    return value
-
-
-def parse_archs(raw: str) -> tuple:
-    """``"gfx950; gfx942;gfx950"`` -> ``("gfx942", "gfx950")``: sorted and unique, so order never rebuilds."""
-    archs = sorted({a.strip() for a in raw.split(";") if a.strip()})
-    bad = [a for a in archs if not _ARCH_RE.match(a)]
-    if not archs or bad:
-        raise setting_error(
-            "GPU_ARCHS",
-            raw,
-            f"not a ;-separated list of AMD GPU architectures (bad: {', '.join(bad) or 'empty'})",
-            'Use e.g. GPU_ARCHS="gfx950" or GPU_ARCHS="gfx942;gfx950"',
-        )
-    return tuple(archs)
-
-
-def read_settings(env: dict, dry_run: bool) -> Settings:
-    """Settings from the environment, each checked with a message that names it."""
-    host = env.get("HOSTNAME") or socket.gethostname()
-    repo_url = env.get("PRIMUS_TURBO_REPO_URL") or DEFAULT_REPO_URL
-    min_commit = env.get("PRIMUS_TURBO_MIN_COMMIT") or MIN_COMMIT
-    ref = env.get("PRIMUS_TURBO_REF") or min_commit
-    for name, value in (("PRIMUS_TURBO_REPO_URL", repo_url), ("PRIMUS_TURBO_REF", ref)):
-        if value.startswith("-") or any(c.isspace() for c in value):
-            raise setting_error(name, value, "must not start with '-' or contain spaces", "Check the value")
-    if not re.match(r"^[0-9a-f]{7,40}$", min_commit):
-        raise setting_error("PRIMUS_TURBO_MIN_COMMIT", min_commit, "not a commit sha", "Unset it")
-    build_dir = os.path.abspath(env.get("PRIMUS_TURBO_BUILD_DIR") or f"/tmp/primus_turbo_{host}")
-    return Settings(
-        repo_url=repo_url,
-        ref=ref,
-        min_commit=min_commit,
-        allow_old=_flag(env, "PRIMUS_TURBO_ALLOW_OLD"),
-        gpu_archs=parse_archs(env.get("GPU_ARCHS") or DEFAULT_GPU_ARCHS),
-        build_dir=build_dir,
-        lock_timeout_s=_number(env, "PRIMUS_TURBO_LOCK_TIMEOUT", 3000.0, 0.0),
-        keep=int(_number(env, "PRIMUS_TURBO_KEEP", 3, 1)),
-        install_requirements=_flag(env, "PRIMUS_TURBO_INSTALL_REQUIREMENTS"),
-        import_check=_flag(env, "PRIMUS_TURBO_IMPORT_CHECK") or not env.get("PRIMUS_TURBO_IMPORT_CHECK"),
-        progress_s=_number(env, "PRIMUS_TURBO_PROGRESS_S", 30.0, 0.1),
-        dry_run=dry_run,
-    )
-
-
-# --------------------------------------------------------------------------------------- processes
-
-_children: set[subprocess.Popen] = set()
-
-
-def _on_signal(signum: int, _frame: object) -> NoReturn:
-    """Stop the build's process group, then unwind so `finally` blocks remove partial dirs."""
-    for child in list(_children):
-        with contextlib.suppress(OSError):
-            os.killpg(child.pid, signal.SIGTERM)
-    raise HookError(f"interrupted by signal {signum}; the previous install is untouched", 128 + signum)
-
-
-def run(
-    argv: list,
-    *,
-    cwd: str | None = None,
-    env: dict | None = None,
-    log=None,
-    heartbeat: str = "",
-    every_s: float = 30.0,
-    check: bool = True,
-) -> subprocess.CompletedProcess:
-    """Run argv in its own process group, stdout+stderr redacted into `log` (or captured).
-
-    With `heartbeat`, prints "<heartbeat> <elapsed>: <last log line>" every `every_s` seconds so a
-    ten-minute compile shows it is alive.
-    """
-    child = subprocess.Popen(
-        argv,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        text=True,
-        errors="replace",
-    )
-    _children.add(child)
-    tail: deque = deque(maxlen=LOG_TAIL_LINES)
-    captured: list = []
-    last = [""]
-
-    def pump() -> None:
-        assert child.stdout is not None
-        for line in child.stdout:
-            line = redact(line)
-            tail.append(line)
-            if line.strip():
-                last[0] = line.strip()
-            if log is not None:
-                log.write(line)
-                log.flush()
-            else:
-                captured.append(line)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    start = time.monotonic()
-    try:
-        while True:
-            try:
-                child.wait(timeout=every_s if heartbeat else None)
-                break
-            except subprocess.TimeoutExpired:
-                say(f"{heartbeat} {time.monotonic() - start:.0f}s: {last[0][:160]}")
-        reader.join()
-    finally:
-        _children.discard(child)
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGTERM)
-            child.wait()
-    output = "".join(captured) if log is None else "".join(tail)
-    result = subprocess.CompletedProcess(argv, child.returncode, output, "")
-    if check and child.returncode != 0:
-        raise subprocess.CalledProcessError(child.returncode, argv, output)
-    return result
-
-
-def git(*args: str, cwd: str | None = None, log=None, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, GIT_TERMINAL_PROMPT="0", GIT_ASKPASS="/bin/true")
-    return run(["git", *args], cwd=cwd, env=env, log=log, check=check)
-
-
-def git_out(*args: str, cwd: str) -> str | None:
-    """Output of a read-only git query, or None when it fails (unknown ref, not a repo)."""
-    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else None
 
 
 # --------------------------------------------------------------------------------------- the build key
@@ -297,105 +82,6 @@ def read_stamp(install_dir: str) -> dict | None:
 def is_cached(install_dir: str, key: dict) -> bool:
     stamp = read_stamp(install_dir)
     return stamp is not None and stamp.get("key") == key
-
-
-# --------------------------------------------------------------------------------------- git
-
-
-def resolve_local(s: Settings) -> str | None:
-    """The commit the ref names in the local clone, without the network; None if unknown.
-
-    Branches are looked up as remote-tracking refs (we never create local branches), then tags,
-    then the ref as a commit.
-    """
-    if not os.path.isdir(os.path.join(s.src, ".git")):
-        return None
-    for candidate in (f"refs/remotes/origin/{s.ref}", f"refs/tags/{s.ref}", s.ref):
-        sha = git_out("rev-parse", "--verify", "--quiet", f"{candidate}^{{commit}}", cwd=s.src)
-        if sha:
-            return sha
-    return None
-
-
-def sync_clone(s: Settings, log) -> str:
-    """Clone once, then fetch into the clone; return the commit the ref names."""
-    if not os.path.isdir(os.path.join(s.src, ".git")) or git_out("rev-parse", "--git-dir", cwd=s.src) is None:
-        shutil.rmtree(s.src, ignore_errors=True)
-        partial = tempfile.mkdtemp(prefix="src.partial-", dir=s.build_dir)
-        say(f"cloning {s.repo_url}")
-        try:
-            git("clone", "--no-checkout", "--quiet", s.repo_url, partial, log=log)
-            os.rename(partial, s.src)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-    elif git_out("remote", "get-url", "origin", cwd=s.src) != s.repo_url:
-        say(f"origin is now {s.repo_url}")
-        git("remote", "set-url", "origin", s.repo_url, cwd=s.src, log=log)
-    if _SHA_RE.match(s.ref) and resolve_local(s) == s.ref:
-        return s.ref  # a full sha already here: nothing to fetch
-    say(f"fetching {s.repo_url}")
-    git(
-        "fetch",
-        "--quiet",
-        "--prune",
-        "--tags",
-        "--force",
-        "origin",
-        "+refs/heads/*:refs/remotes/origin/*",
-        cwd=s.src,
-        log=log,
-    )
-    commit = resolve_local(s)
-    # A commit no branch or tag points to (a PR head, say): ask for it by name.
-    if (
-        commit is None
-        and re.match(r"^[0-9a-f]{7,40}$", s.ref)
-        and git("fetch", "--quiet", "origin", s.ref, cwd=s.src, log=log, check=False).returncode == 0
-    ):
-        commit = git_out("rev-parse", "--verify", "--quiet", "FETCH_HEAD^{commit}", cwd=s.src)
-    if commit is None:
-        raise setting_error(
-            "PRIMUS_TURBO_REF",
-            s.ref,
-            f"no branch, tag or commit of that name in {s.repo_url}",
-            "Check the name, or set PRIMUS_TURBO_REPO_URL to the repository that has it",
-        )
-    return commit
-
-
-def check_minimum(s: Settings, commit: str) -> None:
-    """Refuse a ref that predates the MegaMoE op (unless PRIMUS_TURBO_ALLOW_OLD=1)."""
-    done = subprocess.run(
-        ["git", "merge-base", "--is-ancestor", s.min_commit, commit],
-        cwd=s.src,
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode == 0:
-        return
-    if done.returncode == 1:
-        problem = f"commit {commit[:12]} does not contain the minimum commit {s.min_commit[:12]} (MegaMoE)"
-    else:
-        problem = f"the minimum commit {s.min_commit[:12]} (MegaMoE) is not in {s.repo_url}"
-    if s.allow_old:
-        say(f"warning: {problem}; building anyway because PRIMUS_TURBO_ALLOW_OLD=1")
-        return
-    raise setting_error(
-        "PRIMUS_TURBO_REF",
-        s.ref,
-        problem,
-        "Use a newer ref, or set PRIMUS_TURBO_ALLOW_OLD=1 to build it anyway",
-    )
-
-
-def checkout(s: Settings, commit: str, log) -> None:
-    """Check out the commit, drop stale build output, then bring every submodule to its pinned commit."""
-    say(f"checking out {commit[:12]} and syncing submodules")
-    git("checkout", "--quiet", "--force", "--detach", commit, cwd=s.src, log=log)
-    git("clean", "-ffdxq", cwd=s.src, log=log)
-    git("submodule", "sync", "--quiet", "--recursive", cwd=s.src, log=log)
-    git("submodule", "update", "--init", "--recursive", "--force", "--quiet", cwd=s.src, log=log)
-    git("submodule", "foreach", "--quiet", "--recursive", "git clean -ffdxq", cwd=s.src, log=log)
 
 
 # --------------------------------------------------------------------------------------- build + install
@@ -616,7 +302,7 @@ def describe(s: Settings) -> None:
         )
         say(f"dry run: would export PYTHONPATH=<{s.installs}/<build>>:$PYTHONPATH")
         return
-    fetch = "" if _SHA_RE.match(s.ref) and commit == s.ref else " (after a fetch it may move)"
+    fetch = "" if SHA_RE.match(s.ref) and commit == s.ref else " (after a fetch it may move)"
     say(f"dry run: {s.ref} is {commit[:12]} in the local clone{fetch}")
     install_dir = os.path.join(s.installs, install_name(build_key(commit, s.gpu_archs)))
     if is_cached(install_dir, build_key(commit, s.gpu_archs)):
@@ -695,24 +381,6 @@ def build_locked(s: Settings, log, log_path: str) -> tuple[list, bool]:
     return exports(s, install_dir, commit, wheel), not cached
 
 
-def step_name(argv: list) -> str:
-    """`pip wheel`, `git fetch`, `import check`: which step failed, in words."""
-    args = [str(a) for a in argv]
-    if args[1:3] == ["-m", "pip"]:
-        return "pip " + next((a for a in args[3:] if not a.startswith("-")), "")
-    if os.path.basename(args[0]) == "git":
-        return "git " + args[1]
-    return "the import check of the new build" if "-c" in args else os.path.basename(args[0])
-
-
-def failure_report(e: subprocess.CalledProcessError, log_path: str) -> str:
-    tail = (e.output or "").rstrip()
-    return (
-        f"{step_name(e.cmd)} failed with exit code {e.returncode}; the previous install is untouched.\n"
-        f"--- last lines of {log_path} ---\n{tail}\n--- end of log tail ---"
-    )
-
-
 def main(argv: list) -> int:
     args = list(argv)
     dry_run = os.environ.get("PRIMUS_DRY_RUN", "") not in ("", "0")
@@ -726,9 +394,9 @@ def main(argv: list) -> int:
         )
         return 0
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, _on_signal)
+        signal.signal(sig, on_signal)
     try:
-        if not _flag(os.environ, "REBUILD_PRIMUS_TURBO"):
+        if not flag(os.environ, "REBUILD_PRIMUS_TURBO"):
             return 0
         settings = read_settings(dict(os.environ), dry_run)
         if settings.dry_run:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 from types import ModuleType
 
 import pytest
@@ -11,17 +10,14 @@ import pytest
 from tests.hooks.rebuild_hook_helpers import REPO_ROOT
 
 
-def _load() -> ModuleType:
-    path = REPO_ROOT / "hooks" / "lib" / "primus_turbo_rebuild.py"
-    spec = importlib.util.spec_from_file_location("primus_turbo_rebuild", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+def _lib(name: str) -> ModuleType:
+    """A module of hooks/lib, imported as the hook's own interpreter does (that dir on sys.path)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(REPO_ROOT / "hooks" / "lib"))
+        return importlib.import_module(name)
 
 
-rebuild = _load()
+common, settings, rebuild = _lib("turbo_common"), _lib("turbo_settings"), _lib("primus_turbo_rebuild")
 
 
 @pytest.mark.parametrize(
@@ -38,7 +34,7 @@ rebuild = _load()
     ],
 )
 def test_redact_hides_url_userinfo(text: str, expected: str) -> None:
-    assert rebuild.redact(text) == expected
+    assert common.redact(text) == expected
 
 
 @pytest.mark.parametrize(
@@ -46,13 +42,13 @@ def test_redact_hides_url_userinfo(text: str, expected: str) -> None:
     [("gfx950", ("gfx950",)), ("gfx950;gfx942", ("gfx942", "gfx950")), (" gfx942 ; gfx942;", ("gfx942",))],
 )
 def test_parse_archs_sorts_and_dedupes(raw: str, expected: tuple[str, ...]) -> None:
-    assert rebuild.parse_archs(raw) == expected
+    assert settings.parse_archs(raw) == expected
 
 
 @pytest.mark.parametrize("raw", ["", ";", "sm_90", "gfx950,gfx942", "GFX950"])
 def test_parse_archs_rejects_what_is_not_an_amd_arch_list(raw: str) -> None:
-    with pytest.raises(rebuild.HookError, match=r"^GPU_ARCHS=.*Use e\.g\. GPU_ARCHS=") as err:
-        rebuild.parse_archs(raw)
+    with pytest.raises(common.HookError, match=r"^GPU_ARCHS=.*Use e\.g\. GPU_ARCHS=") as err:
+        settings.parse_archs(raw)
     assert err.value.code == 2
 
 
@@ -78,4 +74,4 @@ def test_install_name_changes_with_every_key_field() -> None:
     ],
 )
 def test_step_name_says_which_step_failed(argv: list[str], expected: str) -> None:
-    assert rebuild.step_name(argv) == expected
+    assert common.step_name(argv) == expected
