@@ -144,6 +144,29 @@ def test_rebuild_hook_concurrent_runs_build_once(hook_env: dict[str, str], fake_
     assert sum("up to date" in r.stderr for r in runs) == 1
 
 
+def test_rebuild_hook_concurrent_runs_of_two_refs_each_get_their_own_build(
+    hook_env: dict[str, str], fake_turbo: FakeTurbo, tmp_path: Path
+) -> None:
+    hook_env["FAKE_TURBO_BUILD_SLEEP"] = "1"
+    refs = [fake_turbo.minimum, fake_turbo.newer]
+    procs = [
+        subprocess.Popen(
+            ["bash", str(HOOK)],
+            env={**hook_env, "PRIMUS_TURBO_REF": ref},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for ref in refs
+    ]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    runs = [HookRun(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr for r in runs]
+    for ref, run in zip(refs, runs, strict=True):  # the second build did not replace the first one's files
+        assert import_built(run.exports["PYTHONPATH"], tmp_path)["commit"] == ref
+    assert sorted(builds(hook_env)) == sorted(refs)
+
+
 def test_rebuild_hook_broken_build_keeps_previous_install(
     hook_env: dict[str, str], fake_turbo: FakeTurbo, tmp_path: Path
 ) -> None:
