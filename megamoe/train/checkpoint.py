@@ -99,6 +99,67 @@ def _sharded_state(
     return state
 
 
+def _materialize_adam_state(optimizer: Any) -> None:
+    """Give torch Adam zeroed moments and ``step`` before loading.
+
+    Without Transformer Engine or Apex, megatron-core 0.16's DistributedOptimizer reads ``step`` from
+    torch's Adam state to build the loading template, and that state only exists after a first step
+    (``assert len(steps) == 1``). The values are placeholders: the checkpoint overwrites them.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+
+
+def _saved_steps(tree: Any) -> set[float]:
+    """Every ``param_groups[*].step`` in a loaded optimizer state (the Adam step count at save time)."""
+    found: set[float] = set()
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if key == "param_groups" and isinstance(value, list):
+                found.update(float(g["step"]) for g in value if isinstance(g, dict) and "step" in g)
+            else:
+                found |= _saved_steps(value)
+    elif isinstance(tree, list | tuple):
+        for value in tree:
+            found |= _saved_steps(value)
+    return found
+
+
+def _restore_adam_steps(optimizer: Any, loaded: Any) -> None:
+    """Put the saved Adam step count back, one tensor per parameter.
+
+    megatron-core 0.16's DistributedOptimizer (torch-Adam path, no TE/Apex) restores ``step`` from
+    the loading template, i.e. the placeholder, and shares one tensor among all parameters (torch's
+    Adam then increments it once per parameter). Either way the bias correction after a resume would
+    leave the uninterrupted run's loss curve.
+    """
+    steps = _saved_steps(loaded)
+    if not steps:
+        return
+    if len(steps) != 1:
+        raise InvalidConfigError(
+            "load",
+            sorted(steps),
+            "the checkpoint holds different Adam step counts",
+            "Resume from a checkpoint written by this trainer",
+        )
+    step = steps.pop()
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            for state in inner.state.values():
+                state["step"] = torch.tensor(step)
+
+
 def save(
     root: Path,
     iteration: int,
@@ -160,6 +221,8 @@ def load(
     with_optimizer = with_optimizer and not finetune
     with_rng = with_rng and not finetune
     source = iteration_dir(root, iteration)
+    if with_optimizer:
+        _materialize_adam_state(optimizer)
     template = _sharded_state(
         chunks,
         optimizer,
@@ -170,12 +233,26 @@ def load(
         with_rng=with_rng,
     )
     state = dist_checkpointing.load(template, str(source))
+    with torch.no_grad():  # the optimizer copies into its (leaf, grad-requiring) main params in place
+        _restore(state, chunks, optimizer, scheduler, with_optimizer=with_optimizer, with_rng=with_rng)
+    logger.info("resumed from %s (iteration %d)", source, iteration)
+    return 0 if finetune else int(state["iteration"])
+
+
+def _restore(
+    state: dict[str, Any],
+    chunks: list[Any],
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    with_optimizer: bool,
+    with_rng: bool,
+) -> None:
     for i, chunk in enumerate(chunks):
         chunk.module.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
     if with_optimizer:
         optimizer.load_state_dict(state["optimizer"])
+        _restore_adam_steps(optimizer, state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if with_rng:
         _set_rng_state(state["rng_state"])
-    logger.info("resumed from %s (iteration %d)", source, iteration)
-    return 0 if finetune else int(state["iteration"])
