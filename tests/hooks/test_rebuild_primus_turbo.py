@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -52,6 +53,7 @@ def test_rebuild_hook_first_run_builds_and_installs(
     log = (_build_dir(hook_env) / "build.log").read_text()
     assert "compiling kernels for gfx950" in log
     assert (_build_dir(hook_env) / "current").resolve() == Path(install_dir)
+    assert stat.S_IMODE((_build_dir(hook_env) / "src").stat().st_mode) == 0o700  # its .git/config has the URL
 
 
 def test_rebuild_hook_second_run_is_a_cache_hit_under_a_second(
