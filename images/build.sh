@@ -72,23 +72,23 @@ if [ "$kind" = rocm ]; then
 fi
 
 t0=$SECONDS
+if [ "$kind" = cpu ] && [ "$dry_run" = 0 ]; then  # before any work: the wheelhouse is for one Python
+  host_py="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+  base="${BASE_IMAGE:-$(sed -n 's/^ARG BASE_IMAGE=//p' "$ROOT/images/cpu/Dockerfile")}"
+  image_py="$("$runtime" run --rm "$base" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')" ||
+    die "BASE_IMAGE=$base: could not run python3 in it. Pull or build that image first"
+  [ "$host_py" = "$image_py" ] ||
+    die "PYTHON=$python: is Python $host_py but $base has $image_py; the wheelhouse must match. Set PYTHON to a $image_py interpreter"
+fi
 log "context $ctx"
 run rm -rf "$ctx"
 run mkdir -p "$ctx/wheels"
 run cp "$ROOT/images/$kind/Dockerfile" "$ROOT/images/$kind/primus.yaml" "$ctx/"
 run cp -r "$ROOT/hooks" "$ROOT/examples" "$ctx/"
-# This package as a wheel: the image gets what `pip install` gets, not the work tree.
+# This package as a wheel: the image gets what `pip install .` installs, not the whole work tree.
 run "$python" -m pip wheel --quiet --no-deps --wheel-dir "$ctx/wheels" "$ROOT"
 if [ "$kind" = cpu ]; then
   torch="torch==${TORCH_VERSION:-2.13.0}"
-  if [ "$dry_run" = 0 ]; then
-    host_py="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
-    base="${BASE_IMAGE:-$(sed -n 's/^ARG BASE_IMAGE=//p' "$ROOT/images/cpu/Dockerfile")}"
-    image_py="$("$runtime" run --rm "$base" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')" ||
-      die "BASE_IMAGE=$base: could not run python3 in it. Pull or build that image first"
-    [ "$host_py" = "$image_py" ] ||
-      die "PYTHON=$python: is Python $host_py but $base has $image_py; the wheelhouse must match. Set PYTHON to a $image_py interpreter"
-  fi
   # The wheelhouse: every dependency as a wheel for the image's Python. Uses the host's pip config:
   # on a host without local CPU wheels, set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
   # so `torch==X` resolves to the CPU build (X+cpu sorts above the PyPI CUDA build).

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import BASE_IMAGE
+
 REPO = Path(__file__).resolve().parents[3]
 BUILD = REPO / "images" / "build.sh"
 
@@ -55,3 +57,22 @@ def test_build_script_bad_input_names_the_setting(args: list[str], env: dict[str
     assert done.returncode == 2
     assert message in done.stderr
     assert "t0ken" not in done.stderr
+
+
+@pytest.mark.container
+def test_build_script_refuses_a_wheelhouse_python_unlike_the_image(
+    container_env: dict[str, str], tmp_path: Path
+) -> None:
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\necho 3.12\n")  # answers the version probe only
+    fake_python.chmod(0o755)
+    env = {
+        **container_env,
+        "BASE_IMAGE": BASE_IMAGE,
+        "PYTHON": str(fake_python),
+        "CONTAINER_RUNTIME": "podman",
+    }
+    done = subprocess.run(["bash", str(BUILD), "cpu"], env=env, capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 2
+    assert f"PYTHON={fake_python}: is Python 3.12 but {BASE_IMAGE} has 3.11" in done.stderr
+    assert "pip wheel" not in done.stderr  # refused before any work
