@@ -119,11 +119,11 @@ class WeightCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by all cached forms."""
-        return sum(entry.mx.nbytes for entry in self._entries.values())
+        return sum(entry.mx.nbytes for entry in list(self._entries.values()))  # a list: GC may drop entries
 
     def buffers(self) -> list[tuple[int, int]]:
         """``(data_ptr, scale_ptr)`` of every entry: constant while the cache rewrites in place."""
-        return [(e.mx.data.data_ptr(), e.mx.scale.data_ptr()) for e in self._entries.values()]
+        return [(e.mx.data.data_ptr(), e.mx.scale.data_ptr()) for e in list(self._entries.values())]
 
     def clear(self) -> None:
         self._entries.clear()
