@@ -70,7 +70,7 @@ def convert(key: str, value: Any, annotation: Any) -> Any:
     origin = typing.get_origin(annotation)
     if origin in (Union, types.UnionType):
         return _convert_union(key, value, typing.get_args(annotation))
-    if value is None:
+    if value is None or (annotation is not str and _is_null(value)):
         raise InvalidConfigError(key, None, f"null is not allowed, a {_type_name(annotation)} is required")
     if origin is Literal:
         return _convert_literal(key, value, typing.get_args(annotation))

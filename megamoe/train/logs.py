@@ -36,6 +36,21 @@ def setup_logging(rank: int, level: str = "INFO") -> None:
     wanted = getattr(logging, level.upper(), logging.INFO)
     root.setLevel(wanted if rank == 0 else max(wanted, logging.WARNING))
     if wanted > logging.DEBUG:
-        logging.getLogger("megatron").setLevel(logging.WARNING)
-        warnings.filterwarnings("ignore", module=r"megatron\..*")
-        warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*")
+        _quiet_third_party()
+
+
+_NOISE = (
+    r".*(Transformer Engine|Apex|apex).*not installed.*",
+    r".*\.grad attribute of a Tensor that is not a leaf.*",
+    r".*Consider using tensor\.detach\(\) first.*",
+)
+
+
+def _quiet_third_party() -> None:
+    """megatron-core and torch warn about optional GPU packages and API renames on every rank."""
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)  # "Unable to save ... indexes"
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    for pattern in _NOISE:
+        warnings.filterwarnings("ignore", message=pattern)

@@ -54,7 +54,7 @@ class Summary:
             f"trained iterations {self.first_iteration + 1}..{self.last_iteration} | "
             f"lm loss {fmt(self.first_loss, '.4f')} -> {fmt(self.last_loss, '.4f')} | "
             f"step {fmt(self.mean_step_s and self.mean_step_s * 1000, '.1f')} ms | "
-            f"{fmt(self.tokens_per_s, ',.0f')} tokens/s | {fmt(self.tflops_per_gpu, '.2f')} TFLOP/s/GPU | "
+            f"{fmt(self.tokens_per_s, ',.0f')} tokens/s | {fmt(self.tflops_per_gpu, '.3g')} TFLOP/s/GPU | "
             f"peak mem {self.peak_mem_gib:.2f} GiB | checkpoint {self.checkpoint or 'none'} | "
             f"wall {self.wall_s:.1f} s"
         )
@@ -257,7 +257,7 @@ def _wire_config(cfg: PretrainConfig, tconfig: Any, ddp_chunks: list[Any], optim
 def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     mask = loss_mask.view(-1).float()
     loss = (output.float().view(-1) * mask).sum() / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach()}
+    return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
 
 
 def _forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:

@@ -36,7 +36,7 @@ class StepStats:
         return (
             f"iteration {self.iteration:>6d}/{train_iters} | lm loss {self.lm_loss:.6f}{aux} | lr {self.lr:.3e}"
             f"{grad} | {self.seconds * 1000:.1f} ms | {self.tokens_per_s:,.0f} tokens/s"
-            f" | {self.tflops_per_gpu:.2f} TFLOP/s/GPU | peak mem {self.peak_mem_gib:.2f} GiB"
+            f" | {self.tflops_per_gpu:.3g} TFLOP/s/GPU | peak mem {self.peak_mem_gib:.2f} GiB"
         )
 
 

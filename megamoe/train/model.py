@@ -86,9 +86,10 @@ def transformer_config(cfg: PretrainConfig, plan: RunPlan) -> Any:
         recompute_method=t.recompute_method,
         recompute_num_layers=t.recompute_num_layers,
         cuda_graph_impl=plan.cuda_graph_impl,
-        cuda_graph_scope=t.cuda_graph_scope,
         cuda_graph_warmup_steps=t.cuda_graph_warmup_steps,
     )
+    if t.cuda_graph_scope is not None:
+        kwargs["cuda_graph_scope"] = t.cuda_graph_scope
     if moe.num_experts is not None:
         kwargs.update(
             num_moe_experts=moe.num_experts,

@@ -160,7 +160,8 @@ class TrainingConfig:
     """Capture each transformer layer in a CUDA graph (GPU only)."""
     cuda_graph_impl: Literal["none", "local", "transformer_engine"] | None = None
     """None: ``transformer_engine`` if it is installed, else ``local`` (when a graph is asked for)."""
-    cuda_graph_scope: str = "full"
+    cuda_graph_scope: str | None = None
+    """What a graph captures (megatron-core values: ``full`` = the whole layer, ``attn``, ``moe``...)."""
     cuda_graph_warmup_steps: int = 3
     eval_iters: int = 0
     eval_interval: int | None = None

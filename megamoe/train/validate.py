@@ -118,6 +118,14 @@ def _check_unsupported(cfg: PretrainConfig, has_cuda: bool) -> None:
             "Set moe_grouped_gemm: false, or use_turbo_mega_moe: true for the fused path",
         ),
         (
+            t.cuda_graph_impl == "transformer_engine"
+            and importlib.util.find_spec("transformer_engine") is None,
+            "cuda_graph_impl",
+            "transformer_engine",
+            "Transformer Engine is not installed",
+            "Leave cuda_graph_impl null (megatron-core's local CUDA graphs) or install transformer_engine",
+        ),
+        (
             cfg.optimizer.use_precision_aware_optimizer,
             "use_precision_aware_optimizer",
             True,

@@ -1,0 +1,83 @@
+"""Every setting the trainer cannot honour fails at start-up, naming the setting (before any step)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from megamoe.errors import InvalidConfigError, UnsupportedSettingError
+from megamoe.train.config import resolve_config
+from megamoe.train.validate import plan_run
+
+CPU_DEMO = Path(__file__).resolve().parents[2] / "examples/megatron/configs/cpu/moe_tiny-pretrain.yaml"
+
+
+def _plan(argv: list[str], *, world: int = 2, has_cuda: bool = False):
+    return plan_run(resolve_config(CPU_DEMO, argv, environ={}).config, world_size=world, has_cuda=has_cuda)
+
+
+@pytest.mark.parametrize(
+    ("argv", "has_cuda", "setting"),
+    [
+        (["--mock_data", "false"], False, "mock_data"),
+        (["--ckpt_format", "torch"], False, "ckpt_format"),
+        (["--async_save", "true"], False, "async_save"),
+        (["--fp8", "hybrid"], True, "fp8"),
+        (["--recompute_layer_ids", "0,3"], True, "recompute_layer_ids"),
+        (["--eval_iters", "5"], False, "eval_iters"),
+        (["--context_parallel_size", "2"], True, "context_parallel_size"),
+        (["--moe_token_dispatcher_type", "flex"], True, "moe_token_dispatcher_type"),
+        (["--moe_grouped_gemm", "true"], True, "moe_grouped_gemm"),
+        (["--use_precision_aware_optimizer", "true"], True, "use_precision_aware_optimizer"),
+        (["--external_cuda_graph", "true"], False, "external_cuda_graph"),
+        (["--recompute_granularity", "full", "--recompute_method", "uniform", "--recompute_num_layers", "1"],
+         False, "recompute_granularity"),
+        (["--moe_layer_recompute", "true"], False, "moe_layer_recompute"),
+    ],
+)  # fmt: skip
+def test_unsupported_setting_fails_with_its_name(argv: list[str], has_cuda: bool, setting: str) -> None:
+    with pytest.raises(UnsupportedSettingError, match=rf"^{setting}="):
+        _plan(argv, has_cuda=has_cuda)
+
+
+@pytest.mark.parametrize(
+    ("argv", "world", "setting"),
+    [
+        (["--global_batch_size", "12"], 2, "global_batch_size"),
+        (["--overlap_param_gather", "true", "--use_distributed_optimizer", "false"], 2, "overlap_param_gather"),
+        (["--expert_model_parallel_size", "3"], 3, "num_experts"),
+        (["--expert_model_parallel_size", "4"], 2, "expert_model_parallel_size"),
+        (["--pipeline_model_parallel_size", "2", "--expert_model_parallel_size", "1"], 3,
+         r"tensor_model_parallel_size \* pipeline_model_parallel_size \* context_parallel_size"),
+        (["--pipeline_model_parallel_size", "3", "--expert_model_parallel_size", "1"], 3, "num_layers"),
+        (["--lr_warmup_iters", "20"], 2, "lr_warmup_iters"),
+        (["--bf16", "true", "--fp16", "true"], 2, "fp16"),
+        (["--exp_avg_dtype", "bf16"], 2, "exp_avg_dtype"),
+        (["--moe_layer_freq", "[0,1]"], 2, "moe_layer_freq"),
+        (["--train_iters", "0"], 2, "train_iters"),
+    ],
+)  # fmt: skip
+def test_inconsistent_setting_fails_with_its_name(argv: list[str], world: int, setting: str) -> None:
+    with pytest.raises(InvalidConfigError, match=rf"^{setting}="):
+        _plan(argv, world=world)
+
+
+def test_plan_derives_batch_geometry_and_checkpoint_folders() -> None:
+    plan = _plan(["--workspace", "/w", "--global_batch_size", "32"])
+    assert (plan.data_parallel_size, plan.num_microbatches, plan.global_batch_size) == (2, 4, 32)
+    assert plan.save_dir == plan.load_dir == Path("/w/megamoe/demo/moe_tiny-pretrain/checkpoints")
+
+
+def test_plan_notes_primus_kernel_hints_it_ignores() -> None:
+    plan = _plan(["--use_turbo_deepep", "true", "--moe_permute_fusion", "true", "--wandb_project", "p"])
+    assert "use_turbo_deepep=True, moe_permute_fusion=True" in plan.notes[0]
+    assert "wandb_project" in plan.notes[1]
+
+
+def test_external_cuda_graph_uses_megatron_local_graphs_without_transformer_engine() -> None:
+    assert importlib.util.find_spec("transformer_engine") is None, "this test pins the no-TE choice"
+    assert _plan(["--external_cuda_graph", "true"], has_cuda=True).cuda_graph_impl == "local"
+    with pytest.raises(UnsupportedSettingError, match=r"^cuda_graph_impl='transformer_engine'"):
+        _plan(["--external_cuda_graph", "true", "--cuda_graph_impl", "transformer_engine"], has_cuda=True)
