@@ -51,6 +51,10 @@ def test_rebuild_hook_through_primus_cli_direct_exports_what_it_promises(
     assert seen["primus_turbo.__file__"] == f"{install_dir}/primus_turbo/__init__.py"
     assert Path(seen["PRIMUS_TURBO_WHEEL"]).is_file()
     assert "hook 00_rebuild_primus_turbo.sh: exports PYTHONPATH" in done.stderr
+    again = _launch(hook_env, tmp_path)  # the next job on this node reuses the build
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "[primus-turbo] up to date" in again.stderr
+    assert _seen(again.stdout) == seen
     assert builds(hook_env) == [fake_turbo.newer]
 
 
