@@ -110,6 +110,18 @@ def _blocked(values: Tensor, dim: int) -> tuple[Tensor, int]:
     return moved.reshape(*moved.shape[:-1], (n + pad) // BLOCK, BLOCK), n
 
 
+def _quantize_blocks(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """E4M3 elements ``[..., nblocks, 32]`` and E8M0 codes ``[..., nblocks]`` of float32 blocks."""
+    codes = block_scale_codes(blocks.abs().amax(-1))
+    exponent = torch.where(codes != E8M0_NAN, codes.to(torch.int32) - E8M0_BIAS, 0)
+    return quantize_e4m3(blocks * _pow2(-exponent).unsqueeze(-1)), codes
+
+
+def _unblocked(blocks: Tensor, n: int, dim: int) -> Tensor:
+    """Inverse of :func:`_blocked`'s layout: ``[..., nblocks, 32]`` back to the source shape."""
+    return blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK)[..., :n].movedim(-1, dim)
+
+
 def quantize_mx(values: Tensor, dim: int = -1, *, out: MXTensor | None = None) -> MXTensor:
     """Quantise ``values`` to MX with blocks of 32 along ``dim``.
 
@@ -118,14 +130,8 @@ def quantize_mx(values: Tensor, dim: int = -1, *, out: MXTensor | None = None) -
     """
     dim = dim % values.dim()
     blocks, n = _blocked(values, dim)
-    codes = block_scale_codes(blocks.abs().amax(-1))
-    finite = codes != E8M0_NAN
-    exponent = torch.where(finite, codes.to(torch.int32) - E8M0_BIAS, 0)
-    scaled = blocks * _pow2(-exponent).unsqueeze(-1)
-    data = (
-        quantize_e4m3(scaled).reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK)[..., :n].movedim(-1, dim)
-    )
-    scale = codes.movedim(-1, dim)
+    elements, codes = _quantize_blocks(blocks)
+    data, scale = _unblocked(elements, n, dim), codes.movedim(-1, dim)
     if out is None:
         return MXTensor(data=data.contiguous(), scale=scale.contiguous(), dim=dim)
     if out.dim != dim or out.data.shape != data.shape or out.scale.shape != scale.shape:
@@ -144,8 +150,14 @@ def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32) -> Tensor:
 
 
 def fake_quantize_mx(values: Tensor, dim: int = -1) -> Tensor:
-    """``quantize_mx`` then dequantise, in float32: the operand an MXFP8 GEMM actually multiplies."""
-    return quantize_mx(values, dim).dequantize(torch.float32)
+    """``quantize_mx`` then dequantise, in float32: the operand an MXFP8 GEMM actually multiplies.
+
+    Same values as ``quantize_mx(values, dim).dequantize()``, computed in the blocked layout.
+    """
+    dim = dim % values.dim()
+    blocks, n = _blocked(values, dim)
+    elements, codes = _quantize_blocks(blocks)
+    return _unblocked(elements.to(torch.float32) * e8m0_to_float(codes).unsqueeze(-1), n, dim)
 
 
 def empty_mx(shape: tuple[int, ...], dim: int, device: torch.device) -> MXTensor:

@@ -234,3 +234,11 @@ def test_quantize_mx_out_with_wrong_shape_raises():
 def test_mx_tensor_nbytes_counts_data_and_scales():
     mx = quantize_mx(torch.ones(4, 64))
     assert isinstance(mx, MXTensor) and mx.nbytes == 4 * 64 + 4 * 2
+
+
+@pytest.mark.parametrize("shape, dim", [((5, 70), 1), ((70, 5), 0), ((2, 3, 64), 1)])
+def test_fake_quantize_mx_equals_quantize_then_dequantize(shape, dim):
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(6)) * 1e3
+    values.view(-1)[7] = NAN
+    got, expected = fake_quantize_mx(values, dim), quantize_mx(values, dim).dequantize()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
