@@ -128,6 +128,8 @@ def quantize_mx(values: Tensor, dim: int = -1, *, out: MXTensor | None = None) -
     With ``out``, the result is written into its buffers (same shape and dim) and ``out`` is returned:
     the weight cache rewrites its tensors in place instead of allocating new ones each step.
     """
+    if values.dim() == 0:
+        raise ValueError("values: expected a tensor with at least one dimension, got a scalar")
     dim = dim % values.dim()
     blocks, n = _blocked(values, dim)
     elements, codes = _quantize_blocks(blocks)
@@ -154,6 +156,8 @@ def fake_quantize_mx(values: Tensor, dim: int = -1) -> Tensor:
 
     Same values as ``quantize_mx(values, dim).dequantize()``, computed in the blocked layout.
     """
+    if values.dim() == 0:
+        raise ValueError("values: expected a tensor with at least one dimension, got a scalar")
     dim = dim % values.dim()
     blocks, n = _blocked(values, dim)
     elements, codes = _quantize_blocks(blocks)

@@ -242,3 +242,9 @@ def test_fake_quantize_mx_equals_quantize_then_dequantize(shape, dim):
     values.view(-1)[7] = NAN
     got, expected = fake_quantize_mx(values, dim), quantize_mx(values, dim).dequantize()
     torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("fn", [quantize_mx, fake_quantize_mx], ids=["quantize_mx", "fake_quantize_mx"])
+def test_quantize_mx_scalar_raises(fn):
+    with pytest.raises(ValueError, match="at least one dimension"):
+        fn(torch.tensor(1.0))
