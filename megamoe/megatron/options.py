@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megamoe.backends import BACKEND_NAMES
 from megamoe.errors import InvalidConfigError, UnsupportedSettingError
+from megamoe.quant.precision import check_precision
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +36,7 @@ class MegaMoEOptions:
     """``moe_router_force_load_balancing_type`` when ``moe_router_force_load_balancing`` is on."""
 
     def __post_init__(self) -> None:
-        if self.precision not in ("bf16", "mxfp8"):
-            raise InvalidConfigError(
-                "turbo_mega_moe_precision", self.precision, "unknown precision", "Use 'bf16' or 'mxfp8'"
-            )
+        check_precision(self.precision, setting="turbo_mega_moe_precision")
         if self.backend not in BACKEND_NAMES:
             raise InvalidConfigError(
                 "backend", self.backend, "unknown", f"Use one of {', '.join(BACKEND_NAMES)}"
@@ -181,17 +179,13 @@ def decide_mega_moe(config, options: MegaMoEOptions) -> MegaMoEDecision:
         raise UnsupportedSettingError(
             "params_dtype", config.params_dtype, "MegaMoE's GPU kernels take bf16 parameters", "Set bf16=true"
         )
-    if options.precision == "mxfp8":
-        import megamoe
-
-        if not hasattr(megamoe, "advance_weight_generation"):
-            raise UnsupportedSettingError(
-                "turbo_mega_moe_precision", "mxfp8", "not available in this build (issue 8)", "Use bf16"
-            )
     ep = config.expert_model_parallel_size
+    precision = options.precision
+    if precision == "mxfp8":
+        precision += " (exact emulation: no MXFP8 GPU kernels yet)"
     return MegaMoEDecision(
         True,
         f"MoELayer replaced by MegaMoE: enable_primus_turbo and use_turbo_mega_moe on, TP=1, "
         f"{str(config.params_dtype).removeprefix('torch.')} params, EP={ep} "
-        f"({config.num_moe_experts // ep} experts/rank), backend={options.backend}, precision={options.precision}",
+        f"({config.num_moe_experts // ep} experts/rank), backend={options.backend}, precision={precision}",
     )
