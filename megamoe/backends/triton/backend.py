@@ -4,9 +4,10 @@ Legend: T tokens, H hidden, I intermediate, G local experts, K top-k, R rows thi
 
 One GPU (no group, or a group of one): the plan is device-side routing tables of static shape
 (R = T*K rows, dropped slots padded at the end), so nothing syncs with the host and the op captures
-in a CUDA graph. The dispatch is a row gather inside GEMM1 and inside the dW1 / dgrad-2 kernels, so
-no dispatched copy of ``x`` exists; SwiGLU runs in GEMM2's operand load (forward) and in GEMM2-dgrad's
-epilogue (backward); the combine is a deterministic fixed-order gather-reduce.
+in a CUDA graph. The dispatch is a row gather inside GEMM1, so the forward never materialises the
+dispatched ``x`` (backward gathers ``x`` and ``dy`` transiently for the TMA-fed weight gradients);
+SwiGLU and its backward are one memory pass each between the GEMMs; the combine is a deterministic
+fixed-order gather-reduce. docs/kernels.md has the measurements behind each choice.
 
 EP > 1: tokens travel by NCCL ``all_to_all_single`` (:class:`~megamoe.backends.exchange.TokenExchange`,
 which reads the split sizes on the host) around the same Triton expert kernels, which then see the
