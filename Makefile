@@ -8,6 +8,8 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch,torch==2.13.0)
 PYTEST_ARGS ?=
 export TORCHDYNAMO_DISABLE ?= 1
 export OMP_NUM_THREADS ?= 1
+# Without a GPU, Triton kernels run in its interpreter (the CPU tests of megamoe/backends/triton).
+export TRITON_INTERPRET ?= $(if $(HAS_GPU),0,1)
 
 .PHONY: demo test lint unit integration-infra bench image-cpu clean help
 
