@@ -43,6 +43,7 @@ _NOISE = (
     r".*(Transformer Engine|Apex|apex).*not installed.*",
     r".*\.grad attribute of a Tensor that is not a leaf.*",
     r".*Consider using tensor\.detach\(\) first.*",
+    r".*full scope is deprecated.*",
 )
 
 

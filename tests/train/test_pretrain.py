@@ -1,0 +1,168 @@
+"""Real 2-rank training on CPU through the real entry (torchrun, gloo): EP=2, PP=2, MegaMoE vs
+megatron's MoELayer, kill after a checkpoint and resume, and start-up failures before any step.
+
+Each run is a fresh `python -m torch.distributed.run --standalone --nproc_per_node 2 -m megamoe.train`;
+per-iteration numbers come from the run's ``training_log.jsonl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "examples/megatron/configs/cpu/moe_tiny-pretrain.yaml"
+DEMO_PP2 = ROOT / "examples/megatron/configs/cpu/moe_tiny-pp2-pretrain.yaml"
+
+pytestmark = pytest.mark.slow
+
+
+def _command(config: Path, workspace: Path, argv: tuple[str, ...]) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "megamoe.train", "pretrain", "--config", str(config), "--workspace", str(workspace), *argv,
+    ]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def train(config: Path, workspace: Path, *argv: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    """Run the trainer on 2 ranks; fail the test with its output if it fails."""
+    proc = subprocess.run(
+        _command(config, workspace, argv),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"training failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def history(workspace: Path, exp_name: str) -> dict[int, dict]:
+    """iteration -> the last record written for it (a resumed run rewrites the ones after its checkpoint)."""
+    path = next(workspace.glob(f"*/*/{exp_name}/training_log.jsonl"))
+    return {r["iteration"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_pretrain_ep2_demo_trains_20_iterations_with_loss_going_down(tmp_path: Path) -> None:
+    started = time.monotonic()
+    proc = train(DEMO, tmp_path)
+    elapsed = time.monotonic() - started
+    losses = [r["lm_loss"] for _, r in sorted(history(tmp_path, "moe_tiny-pretrain").items())]
+    assert len(losses) == 20
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert "MoE block: MegaMoE" in proc.stderr
+    assert "20/20" in proc.stderr  # the rank-0 progress bar
+    assert "summary: trained iterations 1..20" in proc.stderr
+    assert elapsed < 120, f"the demo took {elapsed:.0f} s on this machine"
+
+
+def test_pretrain_pp2_1f1b_loss_goes_down(tmp_path: Path) -> None:
+    proc = train(
+        DEMO_PP2, tmp_path, "--train_iters", "8", "--progress_bar", "false", "--disable_last_saving", "true"
+    )
+    losses = [r["lm_loss"] for _, r in sorted(history(tmp_path, "moe_tiny-pp2-pretrain").items())]
+    assert len(losses) == 8 and losses[-1] < 0.8 * losses[0], losses
+    assert "PP=2" in proc.stderr
+
+
+def test_megamoe_and_megatron_moelayer_give_the_same_first_losses(tmp_path: Path) -> None:
+    runs = {}
+    for switch in ("true", "false"):
+        workspace = tmp_path / switch
+        train(DEMO, workspace, "--train_iters", "3", "--use_turbo_mega_moe", switch, "--progress_bar", "false",
+              "--disable_last_saving", "true")  # fmt: skip
+        runs[switch] = history(workspace, "moe_tiny-pretrain")
+    for it in (1, 2, 3):
+        mega, megatron = runs["true"][it], runs["false"][it]
+        assert mega["lm_loss"] == pytest.approx(megatron["lm_loss"], rel=1e-5), it
+        assert mega["aux_loss"] == pytest.approx(megatron["aux_loss"], rel=1e-5), it
+        assert mega["grad_norm"] == pytest.approx(megatron["grad_norm"], rel=1e-4), it
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL torchrun and the rank processes it started (they run in sessions of their own)."""
+    try:
+        root = psutil.Process(pid)
+        family = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for process in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGKILL)
+    psutil.wait_procs(family, timeout=30)
+
+
+def _kill_after_first_checkpoint(workspace: Path, argv: tuple[str, ...]) -> int:
+    """Start a run and SIGKILL every process of it once a checkpoint is published; its iteration."""
+    proc = subprocess.Popen(
+        _command(DEMO, workspace, argv), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 150
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            trackers = list(workspace.glob("*/*/*/checkpoints/latest_checkpointed_iteration.txt"))
+            if trackers and trackers[0].read_text().strip():
+                _kill_tree(proc.pid)
+                return int(trackers[0].read_text())
+            time.sleep(0.05)
+        pytest.fail(f"no checkpoint appeared (exit code {proc.poll()})")
+    finally:
+        _kill_tree(proc.pid)
+        proc.wait()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param((), id="megamoe-distributed-optimizer"),
+        pytest.param(("--use_turbo_mega_moe", "false", "--use_distributed_optimizer", "false",
+                      "--overlap_param_gather", "false"), id="moelayer-plain-optimizer"),
+        pytest.param(("--use_distributed_optimizer", "false", "--overlap_param_gather", "false"),
+                     id="megamoe-plain-optimizer", marks=pytest.mark.xfail(strict=True, reason=(
+                         "MegaMoEBlock has no sharded_state_dict: its EP-sharded expert weights are saved as "
+                         "replicas, so rank 1 reloads rank 0's experts (the distributed optimizer's param "
+                         "restore hides it); megamoe/megatron must shard them over EP"))),
+    ],
+)  # fmt: skip
+def test_killed_run_resumes_from_its_checkpoint_on_the_uninterrupted_curve(
+    tmp_path: Path, extra: tuple
+) -> None:
+    argv = ("--train_iters", "6", "--save_interval", "3", "--progress_bar", "false", *extra)
+    train(DEMO, tmp_path / "whole", *argv)
+    killed_at = _kill_after_first_checkpoint(tmp_path / "killed", argv)
+    assert killed_at == 3
+    proc = train(DEMO, tmp_path / "killed", *argv)
+    assert "resumed from" in proc.stderr and "iteration 3" in proc.stderr
+    whole, resumed = (
+        history(tmp_path / "whole", "moe_tiny-pretrain"),
+        history(tmp_path / "killed", "moe_tiny-pretrain"),
+    )
+    for it in (4, 5, 6):
+        for key in ("lm_loss", "grad_norm", "lr"):
+            assert resumed[it][key] == pytest.approx(whole[it][key], rel=1e-6, abs=1e-9), (it, key)
+
+
+def test_megamoe_setting_it_cannot_honour_fails_before_any_step(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        _command(DEMO, tmp_path, ("--moe_router_load_balancing_type", "seq_aux_loss")),
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "moe_router_load_balancing_type='seq_aux_loss': not supported by MegaMoE" in proc.stderr
+    assert not list(tmp_path.glob("**/training_log.jsonl"))
