@@ -8,7 +8,9 @@ only from the wheelhouse that `images/build.sh` makes on the host. The job then 
 
 from __future__ import annotations
 
+import os
 import resource
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import BASE_IMAGE
+from tests.hooks.rebuild_hook_helpers import GIT_ENV, make_fake_turbo
 
 REPO = Path(__file__).resolve().parents[3]
 IMAGE = "localhost/megamoe-cpu:test"
@@ -134,3 +137,79 @@ def test_cpu_image_runs_a_job_through_primus_cli_container(
     for rank, line in enumerate(lines):
         assert f"rank={rank} world=2 sum=3 torch=2.13.0+cpu torch_file=/opt/megamoe/venv/" in line
         assert "moe_shape=(4, 8)" in line
+
+
+def _host_git_mounts() -> list[str]:
+    """`-v` flags lending the host's git to the container (the cpu image has none; rocm/primus has).
+
+    git, its helper dir, and the libraries git and the `git submodule` script's tools link against
+    (the base image carries only what its Python needs).
+    """
+    tools = [shutil.which(t) for t in ("git", "sed", "basename", "mkdir", "rm")]
+    libs: set[str] = set()
+    for tool in filter(None, tools):
+        ldd = subprocess.run(["ldd", tool], capture_output=True, text=True, check=True).stdout
+        libs |= {line.split("=> ")[1].split()[0] for line in ldd.splitlines() if "=> /" in line}
+    git = shutil.which("git") or "git"
+    flags = ["-v", f"{git}:{git}:ro", "-v", "/usr/lib/git-core:/usr/lib/git-core:ro"]
+    for lib in sorted(libs):
+        if not Path(lib).name.startswith(("libc.so", "ld-linux")):
+            flags += ["-v", f"{os.path.realpath(lib)}:/usr/lib/x86_64-linux-gnu/{Path(lib).name}:ro"]
+    return flags
+
+
+def test_cpu_image_rebuild_hook_runs_inside_the_container_and_its_build_dir_persists(
+    cpu_image: str, container_env: dict[str, str], tmp_path: Path
+) -> None:
+    turbo = make_fake_turbo(tmp_path / "upstream")
+    build_dir = tmp_path / "build"
+    env = {
+        **container_env,
+        **GIT_ENV,
+        "REBUILD_PRIMUS_TURBO": "1",
+        "PRIMUS_TURBO_REPO_URL": turbo.url,
+        "PRIMUS_TURBO_MIN_COMMIT": turbo.minimum,
+        "PRIMUS_TURBO_REF": "main",
+        "PRIMUS_TURBO_BUILD_DIR": str(build_dir),  # PRIMUS_* crosses into the container by prefix
+    }
+    argv = [
+        str(REPO / ".venv" / "bin" / "primus-cli"),
+        "container",
+        "--image",
+        cpu_image,
+        "--runtime",
+        "podman",
+        "--gpu",
+        "none",
+        "--python",
+        "python3",
+        "--ulimit",
+        ULIMITS[0],
+        "--ulimit",
+        ULIMITS[1],
+        *_host_git_mounts(),
+        "-v",
+        f"{tmp_path}:{tmp_path}",  # the upstream and a build dir that outlives each --rm container
+        *[
+            arg
+            for name in ("GIT_CONFIG_COUNT", "GIT_CONFIG_KEY_0", "GIT_CONFIG_VALUE_0")
+            for arg in ("-e", name)
+        ],
+        "--",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--",
+        "--script",
+        "tests/hooks/print_turbo_env.py",
+    ]
+    runs = [
+        subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300) for _ in range(2)
+    ]
+    for done in runs:
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        assert f"seen primus_turbo.COMMIT={turbo.newer}" in done.stdout
+        assert f"seen PRIMUS_TURBO_INSTALL_DIR={build_dir}/installs/" in done.stdout
+    assert "[primus-turbo] installed" in runs[0].stderr
+    assert "[primus-turbo] up to date" in runs[1].stderr  # built by the image's Python, kept on the host
+    stamp = next((build_dir / "installs").glob("*/.primus_turbo_build.json")).read_text()
+    assert '"torch": "2.13.0+cpu"' in stamp and '"python": "cpython-3.11"' in stamp
