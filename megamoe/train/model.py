@@ -205,6 +205,8 @@ def build_model_chunks(cfg: PretrainConfig, tconfig: Any, switch: MoESwitch, voc
                 position_embedding_type=cfg.model.position_embedding_type,
                 rotary_percent=cfg.model.rotary_percent,
                 rotary_base=cfg.model.rotary_base,
+                rope_scaling=cfg.model.rotary_scaling and not cfg.model.multi_latent_attention,
+                rope_scaling_factor=cfg.model.rotary_scaling_factor,
                 mtp_block_spec=mtp_spec,
                 vp_stage=vp_stage,
             )

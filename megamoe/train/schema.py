@@ -68,7 +68,7 @@ class ModelConfig:
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
     rotary_scaling: bool = False
-    """Primus's YaRN switch for MLA; megatron-core applies rotary_scaling_factor directly."""
+    """Llama-3-style RoPE scaling by rotary_scaling_factor (MLA models use YaRN with that factor instead)."""
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
     original_max_position_embeddings: int = 4096

@@ -272,6 +272,12 @@ def _notes(cfg: PretrainConfig) -> list[str]:
             "kernel choices of Primus-Turbo / Transformer Engine that this trainer does not have; "
             "they do not change the math and are ignored: " + ", ".join(hints)
         )
+    d = cfg.data
+    paths = [
+        n for n in ("train_data_path", "valid_data_path", "test_data_path", "data_path") if getattr(d, n)
+    ]
+    if d.mock_data and paths:
+        notes.append(f"{', '.join(paths)} ignored: mock_data is on")
     for name in ("wandb_project", "tensorboard_dir"):
         if getattr(cfg.logging, name):
             notes.append(f"{name} is ignored: metrics go to the log and the final summary")
