@@ -125,8 +125,10 @@ def _train(cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, start
             with_rng=not c.no_load_rng,
         )
     if start >= cfg.training.train_iters:
-        logger.info(
-            "checkpoint is at iteration %d >= train_iters=%d: nothing to train",
+        logger.warning(
+            "the checkpoint in %s is at iteration %d >= train_iters=%d: nothing to train. Raise train_iters, "
+            "or set auto_continue_train: false to start afresh",
+            plan.load_dir,
             start,
             cfg.training.train_iters,
         )

@@ -143,7 +143,8 @@ def _kill_after_first_checkpoint(workspace: Path, argv: tuple[str, ...]) -> int:
 def test_killed_run_resumes_from_its_checkpoint_on_the_uninterrupted_curve(
     tmp_path: Path, extra: tuple
 ) -> None:
-    argv = ("--train_iters", "6", "--save_interval", "3", "--progress_bar", "false", *extra)
+    argv = ("--train_iters", "6", "--save_interval", "3", "--auto_continue_train", "true", "--progress_bar", "false",
+            *extra)  # fmt: skip
     train(DEMO, tmp_path / "whole", *argv)
     killed_at = _kill_after_first_checkpoint(tmp_path / "killed", argv)
     assert killed_at == 3
