@@ -30,4 +30,6 @@ if [[ -z "$python" ]] || ! command -v "$python" >/dev/null; then
     "Set PRIMUS_TURBO_PYTHON to the python that runs training." >&2
   exit 2
 fi
-exec "$python" "$(dirname "${BASH_SOURCE[0]}")/lib/primus_turbo_rebuild.py" "$@"
+here="${BASH_SOURCE[0]%/*}"  # no dirname: minimal images may lack coreutils
+[[ "$here" == "${BASH_SOURCE[0]}" ]] && here=.
+exec "$python" "$here/lib/primus_turbo_rebuild.py" "$@"

@@ -399,6 +399,12 @@ def main(argv: list) -> int:
         if not flag(os.environ, "REBUILD_PRIMUS_TURBO"):
             return 0
         settings = read_settings(dict(os.environ), dry_run)
+        if shutil.which("git") is None:
+            raise HookError(
+                "git is not installed here, and the rebuild fetches Primus-Turbo with it. Install git "
+                "in this environment (image), or unset REBUILD_PRIMUS_TURBO to use the installed Primus-Turbo",
+                code=2,
+            )
         if settings.dry_run:
             describe(settings)
             return 0
