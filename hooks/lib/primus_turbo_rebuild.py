@@ -94,7 +94,8 @@ def clean_pythonpath(value: str, build_dir: str) -> list:
 
 
 def build_env(s: Settings) -> dict:
-    env = dict(os.environ, GPU_ARCHS=";".join(s.gpu_archs), PYTHONNOUSERSITE="1")
+    # Same interpreter and site dirs as training (torch may live in the user site), plus GPU_ARCHS.
+    env = dict(os.environ, GPU_ARCHS=";".join(s.gpu_archs))
     # The checkout goes first: an installed Primus-Turbo ships a top-level `tools` package that
     # would shadow the checkout's `tools.build_utils` (Primus PR #934 uninstalled it instead).
     env["PYTHONPATH"] = os.pathsep.join([s.src, *clean_pythonpath(env.get("PYTHONPATH", ""), s.build_dir)])
@@ -147,7 +148,6 @@ def build_and_install(s: Settings, key: dict, install_dir: str, log, log_path: s
                 "install",
                 "--no-deps",
                 "--no-index",
-                "--no-compile",
                 "--target",
                 target_tmp,
                 os.path.join(wheels_tmp, wheels[0]),
@@ -188,7 +188,7 @@ def check_import(target: str, log) -> None:
         "t = os.path.realpath(sys.argv[1]); "
         "sys.exit(0 if f.startswith(t + os.sep) else 'primus_turbo imported from ' + f + ', not the new build')"
     )
-    env = dict(os.environ, PYTHONPATH=target, PYTHONNOUSERSITE="1")
+    env = dict(os.environ, PYTHONPATH=target)
     run([sys.executable, "-c", probe, target], cwd=target, env=env, log=log)
 
 
