@@ -213,3 +213,54 @@ def test_cpu_image_rebuild_hook_runs_inside_the_container_and_its_build_dir_pers
     assert "[primus-turbo] up to date" in runs[1].stderr  # built by the image's Python, kept on the host
     stamp = next((build_dir / "installs").glob("*/.primus_turbo_build.json")).read_text()
     assert '"torch": "2.13.0+cpu"' in stamp and '"python": "cpython-3.11"' in stamp
+
+
+def test_rocm_dockerfile_builds_primus_turbo_with_the_hook(
+    cpu_image: str, container_env: dict[str, str], tmp_path: Path
+) -> None:
+    """images/rocm/Dockerfile on a stand-in base (the cpu image: no registry here) and a fake upstream.
+
+    The image build runs the rebuild hook, installs the wheel into the image's Python and this
+    package after it. The stand-in upstream lacks the real minimum commit, hence ALLOW_OLD=1.
+    """
+    turbo = make_fake_turbo(tmp_path / "upstream")
+    (tmp_path / "gitconfig").write_text(
+        '[protocol "file"]\n\tallow = always\n'
+    )  # the submodule's file:// URL
+    image = "localhost/megamoe-rocm:test"
+    env = {
+        **container_env,
+        "BASE_IMAGE": cpu_image,
+        "IMAGE": image,
+        "CONTAINER_RUNTIME": "podman",
+        "PRIMUS_TURBO_REPO_URL": turbo.url,
+        "PRIMUS_TURBO_REF": "v0.2.0",
+        "GPU_ARCHS": "gfx942;gfx950",
+    }
+    build_opts = ["--build-arg", "PRIMUS_TURBO_ALLOW_OLD=1", *_host_git_mounts()]
+    build_opts += ["-v", f"{tmp_path}:{tmp_path}", "-v", f"{tmp_path / 'gitconfig'}:/root/.gitconfig:ro"]
+    try:
+        done = subprocess.run(
+            ["bash", str(REPO / "images" / "build.sh"), "rocm", "--", *build_opts],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        assert "building anyway because PRIMUS_TURBO_ALLOW_OLD=1" in done.stdout + done.stderr
+        probe = "import primus_turbo as p; print(p.COMMIT, p.CK_VERSION, p.GPU_ARCHS, p.__file__)"
+        commit, ck, archs, path = _in_image(container_env, image, "python3", "-c", probe).split()
+        assert (commit, ck, archs) == (turbo.newer, "ck-v2", "gfx942;gfx950")
+        assert "/site-packages/primus_turbo/" in path  # installed into the image's Python: no PYTHONPATH
+        labels = subprocess.run(
+            ["podman", "image", "inspect", "--format", "{{json .Config.Labels}}", image],
+            env=container_env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert '"megamoe.primus_turbo.ref":"v0.2.0"' in labels
+    finally:
+        subprocess.run(["podman", "rmi", "--force", image], env=container_env, capture_output=True)
