@@ -88,7 +88,7 @@ def _train(cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, start
 
     tconfig = model.transformer_config(cfg, plan)
     distributed.init_model_parallel(cfg, tconfig.virtual_pipeline_model_parallel_size)
-    _seed(cfg.training.seed, tensor_parallel)
+    _seed(cfg.training.seed, tensor_parallel, cuda_graphs=plan.cuda_graph_impl != "none")
     switch = model.decide_moe_switch(cfg, tconfig)
     logger.info(
         "MoE block: %s (%s)", "MegaMoE" if switch.use_mega_moe else "megatron-core MoELayer", switch.reason
@@ -184,10 +184,14 @@ def _train(cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, start
     return summary
 
 
-def _seed(seed: int, tensor_parallel: Any) -> None:
+def _seed(seed: int, tensor_parallel: Any, *, cuda_graphs: bool) -> None:
+    """CPU generator, then megatron's CUDA RNG tracker (dropout, expert-parallel init); CPU uses compat's.
+
+    Captured CUDA graphs need the graph-safe tracker, or megatron refuses to capture.
+    """
     torch.manual_seed(seed)
-    if torch.cuda.is_available():  # the CUDA RNG tracker (dropout, expert-parallel init); CPU uses compat's
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs)
 
 
 def _optimizer(cfg: PretrainConfig, tconfig: Any, ddp_chunks: list[Any]) -> Any:

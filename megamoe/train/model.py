@@ -4,6 +4,8 @@ and the MegaMoE switch (decided once, logged once with its reason).
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import logging
 import math
 from dataclasses import dataclass
@@ -176,7 +178,35 @@ def layer_spec(cfg: PretrainConfig, tconfig: Any, switch: MoESwitch, vp_stage: i
     # Without VPP the spec slices this rank's layers from megatron's parallel state; a virtual stage
     # must be named, so only then is vp_stage passed.
     stage = {} if vp_stage is None else {"vp_stage": vp_stage}
-    return gpt_decoder_block_spec(tconfig, use_mega_moe=switch.use_mega_moe, options=switch.options, **stage)
+    block = gpt_decoder_block_spec(tconfig, use_mega_moe=switch.use_mega_moe, options=switch.options, **stage)
+    return _local_mla_attention(block) if cfg.model.multi_latent_attention else block
+
+
+def _local_mla_attention(block: Any) -> Any:
+    """Swap megatron-core's local core attention, which cannot build MLA, for :class:`SDPACoreAttention`.
+
+    Without Transformer Engine, megatron-core 0.16's MLA module also believes TE is present (its
+    import of megatron's TE wrappers succeeds, with mocks) and calls ``isinstance`` on a mock; its
+    ``HAVE_TE`` flag is corrected here.
+    """
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megamoe.train.attention import SDPACoreAttention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        mla.HAVE_TE = False
+
+    block = copy.copy(block)
+    layers = []
+    for layer in block.layer_specs:
+        attention = getattr(layer.submodules.self_attention, "submodules", None)
+        if getattr(attention, "core_attention", None) is DotProductAttention:
+            layer = copy.deepcopy(layer)
+            layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        layers.append(layer)
+    block.layer_specs = layers
+    return block
 
 
 def build_model_chunks(cfg: PretrainConfig, tconfig: Any, switch: MoESwitch, vocab_size: int) -> list[Any]:

@@ -22,6 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples/megatron/configs/cpu/moe_tiny-pretrain.yaml"
 DEMO_PP2 = ROOT / "examples/megatron/configs/cpu/moe_tiny-pp2-pretrain.yaml"
+DSV3 = ROOT / "examples/megatron/configs/MI355X/deepseek_v3-BF16-pretrain.yaml"
 
 pytestmark = pytest.mark.slow
 
@@ -33,20 +34,24 @@ def _command(config: Path, workspace: Path, argv: tuple[str, ...]) -> list[str]:
     ]  # fmt: skip
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def _env(**extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "TORCHDYNAMO_DISABLE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
 
 
-def train(config: Path, workspace: Path, *argv: str, timeout: float = 150) -> subprocess.CompletedProcess:
+def train(
+    config: Path, workspace: Path, *argv: str, timeout: float = 150, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run the trainer on 2 ranks; fail the test with its output if it fails."""
     proc = subprocess.run(
-        _command(config, workspace, argv),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
+        _command(config, workspace, argv), cwd=ROOT, env=env or _env(), capture_output=True, text=True,
         timeout=timeout,
-    )
+    )  # fmt: skip
     if proc.returncode != 0:
         pytest.fail(f"training failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
@@ -78,6 +83,23 @@ def test_pretrain_pp2_1f1b_loss_goes_down(tmp_path: Path) -> None:
     losses = [r["lm_loss"] for _, r in sorted(history(tmp_path, "moe_tiny-pp2-pretrain").items())]
     assert len(losses) == 8 and losses[-1] < 0.8 * losses[0], losses
     assert "PP=2" in proc.stderr
+
+
+def test_deepseek_v3_tiny_mla_mtp_group_routing_trains_with_megamoe_ep2(tmp_path: Path) -> None:
+    """The seed experiment file with the DeepSeek-V3-shaped toy model: MLA (local SDPA core attention),
+    one MTP layer, group-limited sigmoid routing, shared expert, forced uniform routing."""
+    argv = (
+        "--pipeline_model_parallel_size", "1", "--pipeline_model_parallel_layout", "null",
+        "--expert_model_parallel_size", "2", "--recompute_granularity", "null", "--recompute_num_layers", "0",
+        "--micro_batch_size", "2", "--global_batch_size", "4", "--seq_length", "64", "--train_iters", "6",
+        "--lr", "1e-3", "--bf16", "false", "--enable_primus_turbo", "True", "--use_turbo_mega_moe", "True",
+        "--moe_router_force_load_balancing_type", "uniform", "--progress_bar", "false",
+        "--disable_last_saving", "true",
+    )  # fmt: skip
+    proc = train(DSV3, tmp_path, *argv, env=_env(PRIMUS_MODEL="deepseek_v3_tiny"))
+    losses = [r["lm_loss"] for _, r in sorted(history(tmp_path, "deepseek_v3-pretrain").items())]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
+    assert "EP=2 (8 experts/rank)" in proc.stderr
 
 
 def test_megamoe_and_megatron_moelayer_give_the_same_first_losses(tmp_path: Path) -> None:
