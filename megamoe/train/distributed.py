@@ -71,13 +71,14 @@ def init_model_parallel(cfg: PretrainConfig, virtual_pipeline_size: int | None) 
     apply_cpu_compat()
 
 
-def teardown() -> None:
-    """Leave the job cleanly so no rank hangs or aborts at exit."""
+def teardown(*, wait_for_peers: bool) -> None:
+    """Leave the job so no rank hangs or aborts at exit; after an error, without waiting for peers."""
     if not dist.is_initialized():
         return
     from megatron.core import parallel_state
 
-    dist.barrier()
+    if wait_for_peers:
+        dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

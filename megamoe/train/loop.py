@@ -76,10 +76,14 @@ def pretrain(cfg: PretrainConfig, environ: Mapping[str, str]) -> Summary:
     distributed.cpu_threads(environ)
     distributed.init_distributed(info, environ)
     try:
-        return _train(cfg, plan, info, started)
-    finally:
+        summary = _train(cfg, plan, info, started)
+    except BaseException:
         _release_cuda_graphs()
-        distributed.teardown()
+        distributed.teardown(wait_for_peers=False)  # peers may be gone: no barrier
+        raise
+    _release_cuda_graphs()
+    distributed.teardown(wait_for_peers=True)
+    return summary
 
 
 def _train(cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, started: float) -> Summary:

@@ -102,6 +102,17 @@ def test_deepseek_v3_tiny_mla_mtp_group_routing_trains_with_megamoe_ep2(tmp_path
     assert "EP=2 (8 experts/rank)" in proc.stderr
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="megamoe.megatron.gpt_decoder_block_spec takes no vp_stage, so a rank's virtual stages cannot be built",
+)
+def test_pretrain_pp2_with_two_virtual_stages_per_rank_loss_goes_down(tmp_path: Path) -> None:
+    train(DEMO_PP2, tmp_path, "--pipeline_model_parallel_layout", "Et|t|t|tL", "--train_iters", "6",
+          "--progress_bar", "false", "--disable_last_saving", "true")  # fmt: skip
+    losses = [r["lm_loss"] for _, r in sorted(history(tmp_path, "moe_tiny-pp2-pretrain").items())]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
 def test_megamoe_and_megatron_moelayer_give_the_same_first_losses(tmp_path: Path) -> None:
     runs = {}
     for switch in ("true", "false"):
