@@ -10,6 +10,13 @@
 # stdout: env.PYTHONPATH=<install dir>:... and env.PRIMUS_TURBO_{INSTALL_DIR,COMMIT,WHEEL}; progress: stderr.
 set -euo pipefail
 
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the comment block above is the help
+  while IFS= read -r line && [[ "$line" == "#"* ]]; do
+    [[ "$line" == "#!"* || "$line" == *"primus-hook:"* || "$line" == "#" ]] || printf '%s\n' "${line#"# "}"
+  done < "${BASH_SOURCE[0]}"
+  exit 0
+fi
+
 case "${REBUILD_PRIMUS_TURBO:-}" in
   1) ;;
   "" | 0) exit 0 ;;  # off: nothing to do, not even starting Python

@@ -387,12 +387,6 @@ def main(argv: list) -> int:
     if args and args[0] == "--dry-run":
         dry_run = True
         args.pop(0)
-    if args and args[0] in ("-h", "--help"):
-        print(__doc__.split("\n\n")[0], file=sys.stderr)
-        print(
-            "See docs/images.md (section 'The Primus-Turbo rebuild hook') for every setting.", file=sys.stderr
-        )
-        return 0
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
     try:

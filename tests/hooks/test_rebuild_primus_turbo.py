@@ -295,6 +295,17 @@ def test_rebuild_hook_without_git_says_what_to_install(hook_env: dict[str, str],
     assert not _build_dir(hook_env).exists()
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_rebuild_hook_help_needs_no_settings(flag: str) -> None:
+    bash = shutil.which("bash") or "/bin/bash"  # and no PATH: help needs nothing else
+    done = subprocess.run(
+        [bash, str(HOOK), flag], capture_output=True, text=True, env={"PATH": "/nonexistent"}
+    )
+    assert done.returncode == 0
+    assert done.stdout.startswith("Build Primus-Turbo at PRIMUS_TURBO_REF into a node-local dir")
+    assert "docs/images.md" in done.stdout and "primus-hook:" not in done.stdout
+
+
 def test_rebuild_hook_runs_from_any_directory(hook_env: dict[str, str], tmp_path: Path) -> None:
     done = subprocess.run(
         ["bash", str(HOOK.relative_to(REPO_ROOT)), "--dry-run"],
