@@ -54,7 +54,13 @@ def cli() -> None:
 )
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def pretrain(config: Path, export_config: Path | None, dry_run: bool, overrides: tuple[str, ...]) -> None:
-    """Pretrain a GPT/MoE model. Settings: --key value, --key=value, or a bare --flag (true)."""
+    """Pretrain a GPT/MoE model from an experiment YAML; settings given as --key value, --key=value or a
+    bare --flag (true) override it. Every key and rule: docs/training.md.
+
+    \b
+    torchrun --nproc_per_node 2 -m megamoe.train pretrain \\
+        --config examples/megatron/configs/cpu/moe_tiny-pretrain.yaml --train_iters 40 --lr 1e-3
+    """
     environ = distributed.environ_snapshot()
     info = distributed.rank_info(environ)
     try:
