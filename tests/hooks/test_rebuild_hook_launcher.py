@@ -6,8 +6,11 @@ with a `--script` that prints its environment, against the fake upstream of conf
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from tests.hooks.rebuild_hook_helpers import REPO_ROOT, FakeTurbo, builds
 
@@ -75,3 +78,24 @@ def test_rebuild_hook_in_primus_cli_dry_run_changes_nothing(hook_env: dict[str, 
     assert "hook 00_rebuild_primus_turbo.sh (dry run): [primus-turbo] dry run: would clone" in done.stderr
     assert not Path(hook_env["PRIMUS_TURBO_BUILD_DIR"]).exists()
     assert "seen " not in done.stdout
+
+
+@pytest.mark.slurm
+def test_rebuild_hook_on_every_node_of_a_slurm_job_builds_once(
+    hook_env: dict[str, str], fake_turbo: FakeTurbo, tmp_path: Path, slurm_env: dict[str, str]
+) -> None:
+    """`slurm srun -N 2`: the hook runs on both nodes. The fake nodes share one filesystem, as two
+    jobs on one real node share /tmp, so the lock makes one node build and the other reuse it."""
+    env = {k: v for k, v in hook_env.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    env.update(SLURM_CONF=slurm_env["SLURM_CONF"], GPUS_PER_NODE="1", FAKE_TURBO_BUILD_SLEEP="3")
+    env["PATH"] = f"{REPO_ROOT / '.venv' / 'bin'}:{env['PATH']}"
+    env.pop("PRIMUS_TURBO_PYTHON")
+    argv = [str(PRIMUS_CLI), "slurm", "srun", "-N", "2", "--", "direct", "--", "--script", str(SCRIPT)]
+    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    nodes_done = re.findall(r"\] INFO hook 00_rebuild_primus_turbo.sh: done in", done.stderr)
+    assert len(nodes_done) == 2, done.stderr[-4000:]
+    assert "waiting for the build already running" in done.stderr
+    assert done.stderr.count("[primus-turbo] up to date") == 1
+    assert done.stdout.count(f"seen primus_turbo.COMMIT={fake_turbo.minimum}") == 2  # both ranks
+    assert builds(hook_env) == [fake_turbo.minimum]
