@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import megamoe
 from megamoe.train import checkpoint, data, distributed, metrics, model
 from megamoe.train.schema import PretrainConfig
 from megamoe.train.validate import RunPlan, plan_run
@@ -61,8 +62,11 @@ class Summary:
 
 
 def after_optimizer_step(switch: model.MoESwitch) -> None:
-    """Issue 8 fills this single call site: advance MegaMoE's weight generation (mxfp8 weight cache)
-    once per optimizer step when ``switch`` uses mxfp8 experts. Nothing to do for bf16."""
+    """Once per optimizer step: MegaMoE's mxfp8 experts cache their quantised weights per weight
+    generation (the optimizer updates weights in place without bumping ``Tensor._version``), so a
+    step starts a new generation. Recompute and warm-up forwards within a step reuse the cache."""
+    if switch.use_mega_moe and switch.options.precision == "mxfp8":
+        megamoe.advance_weight_generation()
 
 
 def pretrain(cfg: PretrainConfig, environ: Mapping[str, str]) -> Summary:

@@ -113,6 +113,14 @@ def test_pretrain_pp2_with_two_virtual_stages_per_rank_loss_goes_down(tmp_path: 
     assert len(losses) == 6 and losses[-1] < losses[0], losses
 
 
+def test_megamoe_mxfp8_experts_train(tmp_path: Path) -> None:
+    proc = train(DEMO, tmp_path, "--turbo_mega_moe_precision", "mxfp8", "--train_iters", "6", "--progress_bar",
+                 "false", "--disable_last_saving", "true")  # fmt: skip
+    losses = [r["lm_loss"] for _, r in sorted(history(tmp_path, "moe_tiny-pretrain").items())]
+    assert len(losses) == 6 and losses[-1] < 0.85 * losses[0], losses
+    assert "precision=mxfp8" in proc.stderr
+
+
 def test_megamoe_and_megatron_moelayer_give_the_same_first_losses(tmp_path: Path) -> None:
     runs = {}
     for switch in ("true", "false"):
