@@ -50,7 +50,7 @@ def cli() -> None:
     "--dry_run",
     "dry_run",
     is_flag=True,
-    help="Resolve and check the config, print it and the run plan, train nothing.",
+    help="Resolve and check the config, print it (and where each value was set) and the run plan; train nothing.",
 )
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def pretrain(config: Path, export_config: Path | None, dry_run: bool, overrides: tuple[str, ...]) -> None:
@@ -74,6 +74,7 @@ def pretrain(config: Path, export_config: Path | None, dry_run: bool, overrides:
         if dry_run:
             plan = plan_run(cfg, world_size=info.world_size, has_cuda=_has_cuda())
             click.echo(resolved.export(), nl=False)
+            click.echo("# where each non-default value was set:\n" + resolved.provenance(), nl=False)
             click.echo("# run plan: " + json.dumps({k: str(v) for k, v in plan.__dict__.items()}))
             return
         from megamoe.train.loop import pretrain as run

@@ -23,6 +23,7 @@ class ResolvedConfig:
 
     config: PretrainConfig
     source: dict[str, str]
+    """Flat key -> the preset or experiment file that set it last, or ``cli``."""
 
     def export(self) -> str:
         """The effective config as an experiment YAML that reproduces this run without presets."""
@@ -34,6 +35,11 @@ class ResolvedConfig:
             "workspace": c.workspace,
         }
         return dump_experiment(identity, c.params())
+
+    def provenance(self) -> str:
+        """``# key: file`` lines for every value a file or the command line set (the rest are defaults)."""
+        width = max((len(k) for k in self.source), default=0)
+        return "".join(f"# {key:<{width}}  {origin}\n" for key, origin in sorted(self.source.items()))
 
 
 def resolve_config(path: str | Path, overrides: Sequence[str], environ: Mapping[str, str]) -> ResolvedConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,10 @@ def test_cli_dry_run_prints_effective_config_and_writes_export(tmp_path: Path) -
     )
     assert result.exit_code == 0, result.output
     assert "lr: 0.001" in result.output and "# run plan:" in result.output
+    assert re.search(r"^# lr +cli$", result.output, re.M)
+    assert re.search(
+        r"^# num_experts +\S+/megamoe/configs/models/megatron/moe_tiny\.yaml$", result.output, re.M
+    )
     assert yaml.safe_load(out.read_text())["modules"]["pre_trainer"]["overrides"]["lr"] == 1e-3
 
 
