@@ -171,7 +171,10 @@ def _kill_after_first_checkpoint(workspace: Path, argv: tuple[str, ...]) -> int:
 @pytest.mark.parametrize(
     "extra",
     [
-        pytest.param((), id="megamoe-distributed-optimizer"),
+        pytest.param(
+            ("--moe_router_force_load_balancing", "true", "--moe_router_force_load_balancing_type", "uniform"),
+            id="megamoe-distributed-optimizer-uniform-routing",  # random router logits: RNG state restored
+        ),
         pytest.param(("--use_turbo_mega_moe", "false", "--use_distributed_optimizer", "false",
                       "--overlap_param_gather", "false"), id="moelayer-plain-optimizer"),
         pytest.param(("--use_distributed_optimizer", "false", "--overlap_param_gather", "false"),
