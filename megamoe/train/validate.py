@@ -164,6 +164,21 @@ def _check_unsupported(cfg: PretrainConfig, has_cuda: bool) -> None:
 
 def _check_consistency(cfg: PretrainConfig) -> None:
     t, o, p, m = cfg.training, cfg.optimizer, cfg.parallel, cfg.moe
+    if p.tensor_model_parallel_size > 1 and m.num_experts is not None and not p.sequence_parallel:
+        raise InvalidConfigError(
+            "sequence_parallel",
+            False,
+            f"megatron-core trains MoE layers with tensor_model_parallel_size={p.tensor_model_parallel_size} "
+            "only with sequence parallelism",
+            "Set sequence_parallel: true, or tensor_model_parallel_size: 1 (MoE scales by EP)",
+        )
+    if p.sequence_parallel and not (_installed("transformer_engine") or _installed("apex")):
+        raise UnsupportedSettingError(
+            "sequence_parallel",
+            True,
+            "megatron-core's sequence-parallel LayerNorm needs Transformer Engine or Apex, and neither is installed",
+            "Set sequence_parallel: false (for MoE models also tensor_model_parallel_size: 1)",
+        )
     if t.bf16 and t.fp16:
         raise InvalidConfigError("fp16", True, "bf16 and fp16 are both on", "Turn one off")
     if o.overlap_param_gather and not o.use_distributed_optimizer:
@@ -288,5 +303,9 @@ def _notes(cfg: PretrainConfig) -> list[str]:
     return notes
 
 
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
 def _has_fused_wgrad() -> bool:
-    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    return _installed("fused_weight_gradient_mlp_cuda")

@@ -121,6 +121,15 @@ def test_megamoe_mxfp8_experts_train(tmp_path: Path) -> None:
     assert "precision=mxfp8" in proc.stderr
 
 
+def test_dense_model_trains_with_tensor_parallelism(tmp_path: Path) -> None:
+    proc = train(DEMO, tmp_path, "--num_experts", "null", "--moe_layer_freq", "1", "--tensor_model_parallel_size",
+                 "2", "--expert_model_parallel_size", "1", "--global_batch_size", "8", "--train_iters", "6",
+                 "--progress_bar", "false", "--disable_last_saving", "true")  # fmt: skip
+    losses = [r["lm_loss"] for _, r in sorted(history(tmp_path, "moe_tiny-pretrain").items())]
+    assert len(losses) == 6 and losses[-1] < 0.9 * losses[0], losses
+    assert "TP=2" in proc.stderr and "the model has no MoE layers" in proc.stderr
+
+
 def test_megamoe_and_megatron_moelayer_give_the_same_first_losses(tmp_path: Path) -> None:
     runs = {}
     for switch in ("true", "false"):

@@ -35,6 +35,8 @@ def _plan(argv: list[str], *, world: int = 2, has_cuda: bool = False):
         (["--recompute_granularity", "full", "--recompute_method", "uniform", "--recompute_num_layers", "1"],
          False, "recompute_granularity"),
         (["--moe_layer_recompute", "true"], False, "moe_layer_recompute"),
+        (["--sequence_parallel", "true", "--tensor_model_parallel_size", "2", "--expert_model_parallel_size", "1"],
+         True, "sequence_parallel"),
     ],
 )  # fmt: skip
 def test_unsupported_setting_fails_with_its_name(argv: list[str], has_cuda: bool, setting: str) -> None:
@@ -57,6 +59,7 @@ def test_unsupported_setting_fails_with_its_name(argv: list[str], has_cuda: bool
         (["--exp_avg_dtype", "bf16"], 2, "exp_avg_dtype"),
         (["--moe_layer_freq", "[0,1]"], 2, "moe_layer_freq"),
         (["--train_iters", "0"], 2, "train_iters"),
+        (["--tensor_model_parallel_size", "2", "--expert_model_parallel_size", "1"], 2, "sequence_parallel"),
     ],
 )  # fmt: skip
 def test_inconsistent_setting_fails_with_its_name(argv: list[str], world: int, setting: str) -> None:
