@@ -221,12 +221,15 @@ def _check_consistency(cfg: PretrainConfig) -> None:
             "set for a model without experts",
             "Set num_experts, or expert_model_parallel_size: 1",
         )
-    if isinstance(m.moe_layer_freq, list) and len(m.moe_layer_freq) != cfg.model.num_layers:
+    layers = cfg.model.num_layers
+    if isinstance(m.moe_layer_freq, list) and len(m.moe_layer_freq) != layers:
+        dense = min(next((i for i, v in enumerate(m.moe_layer_freq) if v), 0), layers - 1)
         raise InvalidConfigError(
             "moe_layer_freq",
             f"<{len(m.moe_layer_freq)} entries>",
-            f"the pattern must have num_layers={cfg.model.num_layers} entries",
-            "Write e.g. ([0]*1+[1]*3) for 4 layers, or use an int",
+            f"the pattern must have num_layers={layers} entries",
+            f"Pass --moe_layer_freq 1 (every layer MoE) or a {layers}-entry pattern such as "
+            f"([0]*{dense}+[1]*{layers - dense})",
         )
     if p.pipeline_model_parallel_size > 1 and p.pipeline_model_parallel_layout is None:
         uneven = (
