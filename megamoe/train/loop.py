@@ -51,6 +51,8 @@ class Summary:
         def fmt(value: float | None, spec: str) -> str:
             return "n/a" if value is None else format(value, spec)
 
+        if self.last_iteration == self.first_iteration:
+            return f"nothing trained: resumed at iteration {self.first_iteration} | wall {self.wall_s:.1f} s"
         return (
             f"trained iterations {self.first_iteration + 1}..{self.last_iteration} | "
             f"lm loss {fmt(self.first_loss, '.4f')} -> {fmt(self.last_loss, '.4f')} | "
