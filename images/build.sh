@@ -93,7 +93,7 @@ if [ "$kind" = cpu ]; then
   # on a host without local CPU wheels, set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
   # so `torch==X` resolves to the CPU build (X+cpu sorts above the PyPI CUDA build).
   log "wheelhouse: this package + $torch (host pip config decides where they come from)"
-  run "$python" -m pip wheel --quiet --wheel-dir "$ctx/wheels" --find-links "$ctx/wheels" "$torch" \
+  run "$python" -m pip wheel --quiet --wheel-dir "$ctx/wheels" --find-links "$ctx/wheels" "$torch" pip \
     "$ctx/wheels/megamoe-"*.whl
 fi
 run "$runtime" build --tag "$image" --file "$ctx/Dockerfile" "${build_args[@]}" "${extra[@]}" "$ctx"
