@@ -92,9 +92,38 @@ def pretrain(cfg: PretrainConfig, environ: Mapping[str, str]) -> Summary:
     return summary
 
 
+@dataclass(kw_only=True)
+class _Run:
+    """What the step loop works on, built once."""
+
+    tconfig: Any
+    switch: model.MoESwitch
+    chunks: list[Any]
+    optimizer: Any
+    scheduler: Any
+    tokenizer: Any
+
+
 def _train(cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, started: float) -> Summary:
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    run = _build(cfg, plan)
+    start = _resume(cfg, plan, run)
+    history, saved = _steps(cfg, plan, info, run, start)
+    last = history[-1].iteration if history else start
+    if (
+        history
+        and not cfg.checkpoint.disable_last_saving
+        and saved != str(checkpoint.iteration_dir(plan.save_dir, last))
+    ):
+        saved = str(_save(cfg, plan, last, run))
+    summary = _summarize(cfg, start, last, history, saved, started)
+    if info.rank == 0:
+        logger.info("summary: %s", summary.text())
+    return summary
+
+
+def _build(cfg: PretrainConfig, plan: RunPlan) -> _Run:
+    """Parallel state, the model chunks in megatron DDP, the optimizer and LR schedule."""
+    from megatron.core import tensor_parallel
 
     tconfig = model.transformer_config(cfg, plan)
     distributed.init_model_parallel(cfg, tconfig.virtual_pipeline_model_parallel_size)
@@ -103,73 +132,63 @@ def _train(cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, start
     logger.info(
         "MoE block: %s (%s)", "MegaMoE" if switch.use_mega_moe else "megatron-core MoELayer", switch.reason
     )
-
     tokenizer = data.null_tokenizer(cfg.model.vocab_size)
     chunks = model.build_model_chunks(cfg, tconfig, switch, tokenizer.vocab_size)
+    p = cfg.parallel
     logger.info(
         "model: %d chunk(s), %s parameters on rank 0; TP=%d PP=%d VPP=%s EP=%d DP=%d, %d micro-batches/step",
-        len(chunks),
-        f"{model.count_parameters(chunks):,}",
-        cfg.parallel.tensor_model_parallel_size,
-        cfg.parallel.pipeline_model_parallel_size,
-        tconfig.virtual_pipeline_model_parallel_size,
-        cfg.parallel.expert_model_parallel_size,
-        plan.data_parallel_size,
-        plan.num_microbatches,
-    )
+        len(chunks), f"{model.count_parameters(chunks):,}", p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size, tconfig.virtual_pipeline_model_parallel_size,
+        p.expert_model_parallel_size, plan.data_parallel_size, plan.num_microbatches,
+    )  # fmt: skip
     ddp_chunks = model.wrap_ddp(cfg, tconfig, chunks)
     optimizer = _optimizer(cfg, tconfig, ddp_chunks)
     scheduler = _scheduler(cfg, plan, optimizer)
     _wire_config(cfg, tconfig, ddp_chunks, optimizer)
+    return _Run(tconfig=tconfig, switch=switch, chunks=ddp_chunks, optimizer=optimizer, scheduler=scheduler,
+                tokenizer=tokenizer)  # fmt: skip
 
-    start = 0
-    if cfg.checkpoint.auto_continue_train:
-        c = cfg.checkpoint
-        start = checkpoint.load(
-            plan.load_dir,
-            ddp_chunks,
-            optimizer,
-            scheduler,
-            finetune=c.finetune,
-            with_optimizer=not c.no_load_optim,
-            with_rng=not c.no_load_rng,
-        )
+
+def _resume(cfg: PretrainConfig, plan: RunPlan, run: _Run) -> int:
+    """The iteration to continue from: the latest checkpoint's, or 0."""
+    c = cfg.checkpoint
+    if not c.auto_continue_train:
+        return 0
+    start = checkpoint.load(plan.load_dir, run.chunks, run.optimizer, run.scheduler, finetune=c.finetune,
+                            with_optimizer=not c.no_load_optim, with_rng=not c.no_load_rng)  # fmt: skip
     if start >= cfg.training.train_iters:
         logger.warning(
             "the checkpoint in %s is at iteration %d >= train_iters=%d: nothing to train. Raise train_iters, "
             "or set auto_continue_train: false to start afresh",
-            plan.load_dir,
-            start,
-            cfg.training.train_iters,
-        )
+            plan.load_dir, start, cfg.training.train_iters,
+        )  # fmt: skip
+    return start
 
-    dataset = data.mock_dataset(cfg, plan, tokenizer)
+
+def _steps(
+    cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, run: _Run, start: int
+) -> tuple[list[metrics.StepStats], str | None]:
+    """Iterations ``start + 1 ..`` with logging and periodic checkpoints; the stats and the last save."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dataset = data.mock_dataset(cfg, plan, run.tokenizer)
     dp_rank = parallel_state.get_data_parallel_rank()
     iterators = [
-        data.batches(dataset, plan, cfg.training.micro_batch_size, dp_rank, start) for _ in ddp_chunks
+        data.batches(dataset, plan, cfg.training.micro_batch_size, dp_rank, start) for _ in run.chunks
     ]
     forward_backward = get_forward_backward_func()
     step_flops = metrics.flops_per_iteration(cfg, plan.global_batch_size)
     log_path = Path(cfg.output_dir) / "training_log.jsonl"
     if info.rank == 0:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-
     history: list[metrics.StepStats] = []
     saved: str | None = None
     stop = min(cfg.training.train_iters, cfg.training.exit_interval or cfg.training.train_iters)
-    bar = tqdm(
-        total=cfg.training.train_iters,
-        initial=start,
-        desc="train",
-        unit="it",
-        file=sys.stderr,
-        disable=info.rank != 0 or not cfg.logging.progress_bar,
-        dynamic_ncols=True,
-    )
+    bar = tqdm(total=cfg.training.train_iters, initial=start, desc="train", unit="it", file=sys.stderr,
+               disable=info.rank != 0 or not cfg.logging.progress_bar, dynamic_ncols=True)  # fmt: skip
     for step in range(start, stop):
-        stats = _one_step(
-            cfg, plan, step, ddp_chunks, iterators, forward_backward, optimizer, scheduler, switch, step_flops
-        )
+        stats = _one_step(cfg, plan, step, run, iterators, forward_backward, step_flops)
         history.append(stats)
         if info.rank == 0:
             with log_path.open("a") as f:
@@ -182,16 +201,9 @@ def _train(cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, start
             raise FloatingPointError(f"lm loss is {stats.lm_loss} at iteration {stats.iteration}")
         interval = cfg.checkpoint.save_interval
         if interval and stats.iteration % interval == 0:
-            saved = str(_save(cfg, plan, stats.iteration, ddp_chunks, optimizer, scheduler))
+            saved = str(_save(cfg, plan, stats.iteration, run))
     bar.close()
-    last = history[-1].iteration if history else start
-    final = str(checkpoint.iteration_dir(plan.save_dir, last))
-    if history and not cfg.checkpoint.disable_last_saving and saved != final:
-        saved = str(_save(cfg, plan, last, ddp_chunks, optimizer, scheduler))
-    summary = _summarize(cfg, start, last, history, saved, started)
-    if info.rank == 0:
-        logger.info("summary: %s", summary.text())
-    return summary
+    return history, saved
 
 
 def _seed(seed: int, tensor_parallel: Any, *, cuda_graphs: bool) -> None:
@@ -289,34 +301,26 @@ def _forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
 
 
 def _one_step(
-    cfg: PretrainConfig,
-    plan: RunPlan,
-    step: int,
-    ddp_chunks: list[Any],
-    iterators: list[Any],
-    forward_backward: Any,
-    optimizer: Any,
-    scheduler: Any,
-    switch: model.MoESwitch,
+    cfg: PretrainConfig, plan: RunPlan, step: int, run: _Run, iterators: list[Any], forward_backward: Any,
     step_flops: float,
-) -> metrics.StepStats:
+) -> metrics.StepStats:  # fmt: skip
     t0 = time.perf_counter()
-    for chunk in ddp_chunks:
+    for chunk in run.chunks:
         chunk.zero_grad_buffer()
-    optimizer.zero_grad()
+    run.optimizer.zero_grad()
     losses = forward_backward(
         forward_step_func=_forward_step,
         data_iterator=iterators,
-        model=ddp_chunks,
+        model=run.chunks,
         num_microbatches=plan.num_microbatches,
         seq_length=cfg.training.seq_length,
         micro_batch_size=cfg.training.micro_batch_size,
         decoder_seq_length=cfg.training.seq_length,
         forward_only=False,
     )
-    _, grad_norm, _ = optimizer.step()
-    after_optimizer_step(switch)
-    scheduler.step(increment=plan.global_batch_size)
+    _, grad_norm, _ = run.optimizer.step()
+    after_optimizer_step(run.switch)
+    run.scheduler.step(increment=plan.global_batch_size)
     lm_loss = metrics.gather_loss(losses)
     aux = metrics.aux_loss(cfg, plan.num_microbatches)
     if torch.cuda.is_available():
@@ -326,7 +330,7 @@ def _one_step(
         iteration=step + 1,
         lm_loss=lm_loss,
         aux_loss=aux,
-        lr=optimizer.param_groups[0]["lr"],
+        lr=run.optimizer.param_groups[0]["lr"],
         grad_norm=float(grad_norm) if grad_norm is not None else None,
         seconds=seconds,
         tokens_per_s=plan.global_batch_size * cfg.training.seq_length / seconds,
@@ -335,20 +339,11 @@ def _one_step(
     )
 
 
-def _save(
-    cfg: PretrainConfig, plan: RunPlan, iteration: int, ddp_chunks: list[Any], optimizer: Any, scheduler: Any
-) -> Path:
+def _save(cfg: PretrainConfig, plan: RunPlan, iteration: int, run: _Run) -> Path:
     c = cfg.checkpoint
     t0 = time.perf_counter()
-    path = checkpoint.save(
-        plan.save_dir,
-        iteration,
-        ddp_chunks,
-        optimizer,
-        scheduler,
-        with_optimizer=not c.no_save_optim,
-        with_rng=not c.no_save_rng,
-    )
+    path = checkpoint.save(plan.save_dir, iteration, run.chunks, run.optimizer, run.scheduler,
+                           with_optimizer=not c.no_save_optim, with_rng=not c.no_save_rng)  # fmt: skip
     logger.info("saved checkpoint %s in %.1f s", path, time.perf_counter() - t0)
     return path
 
