@@ -130,12 +130,23 @@ def test_dense_model_trains_with_tensor_parallelism(tmp_path: Path) -> None:
     assert "TP=2" in proc.stderr and "the model has no MoE layers" in proc.stderr
 
 
-def test_megamoe_and_megatron_moelayer_give_the_same_first_losses(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "routing",
+    [
+        pytest.param((), id="learned-routing"),
+        pytest.param(("--moe_router_force_load_balancing", "true", "--moe_router_force_load_balancing_type", "even"),
+                     id="forced-even"),
+        pytest.param(("--moe_router_force_load_balancing", "true", "--moe_router_force_load_balancing_type",
+                      "uniform"), id="forced-uniform"),
+    ],
+)  # fmt: skip
+def test_megamoe_and_megatron_moelayer_give_the_same_first_losses(tmp_path: Path, routing: tuple) -> None:
+    """Same seed, same data: the fused layer and megatron's MoELayer train the same model (A/B is fair)."""
     runs = {}
     for switch in ("true", "false"):
         workspace = tmp_path / switch
         train(DEMO, workspace, "--train_iters", "3", "--use_turbo_mega_moe", switch, "--progress_bar", "false",
-              "--disable_last_saving", "true")  # fmt: skip
+              "--disable_last_saving", "true", *routing)  # fmt: skip
         runs[switch] = history(workspace, "moe_tiny-pretrain")
     for it in (1, 2, 3):
         mega, megatron = runs["true"][it], runs["false"][it]
