@@ -138,7 +138,11 @@ def run_passthrough(argv: list[str], env: Mapping[str, str]) -> int:
 def run_hooks(
     calls: tuple[HookCall, ...], env: Mapping[str, str], timeout_s: int, python: str
 ) -> hooks_mod.HookOutput:
-    """Run each hook in order; stop at the first failure with its name, exit code and output tail."""
+    """Run each hook in order; stop at the first failure with its name, exit code and output tail.
+
+    Hooks see ``PRIMUS_PYTHON`` = the training's interpreter (unless the user set it), so a build hook
+    installs for the Python that will import the result, not whatever ``python3`` is on PATH.
+    """
     out = hooks_mod.HookOutput()
     for call in calls:
         argv = [*hooks_mod.interpreter(call.path, python), *call.argv]
@@ -151,7 +155,7 @@ def run_hooks(
             out.add_line(name, line.rstrip("\n"))
 
         proc = _spawn(
-            argv, {**env, **out.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            argv, {"PRIMUS_PYTHON": python, **env, **out.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             stdin=subprocess.DEVNULL,
         )  # fmt: skip
         start = time.monotonic()
@@ -176,7 +180,14 @@ def preview_hooks(calls: tuple[HookCall, ...], env: Mapping[str, str], python: s
             continue
         argv = [*hooks_mod.interpreter(call.path, python), "--dry-run", *call.argv]
         try:
-            res = subprocess.run(argv, env=dict(env), capture_output=True, text=True, timeout=60, check=False)
+            res = subprocess.run(
+                argv,
+                env={"PRIMUS_PYTHON": python, **env},
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             logger.warning("hook %s (dry run): no answer within 60 s", call.name)
             continue
