@@ -89,8 +89,7 @@ TEMPLATES = {
                 **_COMMON,
                 "nodes": 8,
                 "entry": "container",
-                "num_layers": 14,
-                "layout": "Et|t*2|t*2|t*2|t*2|t*2|t*2|t,L",
+                "layout": "Ett|tttt|tttt|tttt|tttt|tttt|tttt|tttt|tttt|tttt|tttt|tttt|tttt|tttt|tttt|tttL",
             },
         ),
     )

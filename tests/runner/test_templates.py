@@ -18,14 +18,16 @@ def test_template_renders_valid_bash(name: str) -> None:
     assert "--use_turbo_mega_moe True" in text
 
 
-def test_template_cudagraph_captures_the_full_iteration() -> None:
+def test_template_cudagraph_captures_the_full_step_with_the_seed_flags() -> None:
     text = templates.render_job("ep8-cudagraph", {})
-    assert "--cuda_graph_impl local" in text and "--cuda_graph_scope full_iteration" in text
+    assert "--external_cuda_graph True" in text and "--cuda_graph_scope full" in text
+    assert "--cuda_graph_warmup_steps 3" in text and "--train_iters 15" in text
 
 
 def test_template_pp8_layout_is_quoted_as_one_word() -> None:
     text = templates.render_job("pp8-8node", {})
-    assert "--pipeline_model_parallel_layout 'Et|t*2|t*2|t*2|t*2|t*2|t*2|t,L'" in text
+    layout = "Ett" + "|tttt" * 14 + "|tttL"  # 61 layers on 16 stages: PP=8 x 2 virtual stages
+    assert f"--pipeline_model_parallel_layout '{layout}'" in text
     assert "-N 8" in text
 
 

@@ -119,3 +119,16 @@ def test_cli_unknown_key_exits_2_with_the_close_match() -> None:
     result = CliRunner().invoke(cli, ["pretrain", "--config", str(CPU_DEMO), "--dry-run", "--num_layer", "3"])
     assert result.exit_code == 2
     assert "num_layer='3': unknown setting. Use 'num_layers', the closest known key." in result.output
+
+
+_SCRIPTS = {"ep8": "ep8.sh", "ep8_cuda_graph": "ep8_cudagraph.sh", "8node_ep8_pp8": "pp8_8node.sh"}
+
+
+@pytest.mark.parametrize("job", sorted(_SCRIPTS))
+def test_example_scripts_pass_the_seed_flags(job: str) -> None:
+    """examples/*.sh (rendered from primus-cli's templates) carry exactly the seed jobs' flags."""
+    import shlex
+
+    words = shlex.split((ROOT / "examples" / _SCRIPTS[job]).read_text().replace("\\\n", " "), comments=True)
+    argv = words[words.index("--config") + 2 :]
+    assert argv == SEED_JOBS[job][1]
