@@ -1,7 +1,7 @@
 """Lets megatron-core's non-Transformer-Engine paths run on a CPU-only torch (gloo), for tests and the demo.
 
 megatron-core hard-codes CUDA where the code is otherwise device-agnostic. Each part below patches one
-such habit; every part is a no-op when CUDA is available, so the same code runs unchanged on a GPU:
+such habit; every CUDA part is a no-op when CUDA is available, so the same code runs unchanged on a GPU:
 
 * ``device``  ``torch.cuda.current_device()`` used as an allocation target (router weight, DDP buffers);
 * ``streams`` ``torch.cuda.Stream/Event/current_stream`` (DDP comm stream, dispatcher side streams);
@@ -9,7 +9,8 @@ such habit; every part is a no-op when CUDA is available, so the same code runs 
 * ``mode``    literal ``device="cuda"``, ``.cuda()`` and ``param.type() == 'torch.cuda.FloatTensor'``
               checks in the optimizers, grad clipping and pipeline schedules;
 * ``rng``     the CUDA RNG tracker (dropout, GPU-style init) replaced by the no-op inference tracker;
-* ``te_gemm`` megatron-core 0.16: ``moe_utils.te_general_gemm`` is undefined without Transformer Engine.
+* ``te_gemm`` megatron-core 0.16: ``moe_utils.te_general_gemm`` is undefined without Transformer Engine
+              (a version bug, so this part is applied on GPUs too).
 
 Call :func:`apply_cpu_compat` once per process, after ``torch.distributed`` is initialised and before
 any model is built.
@@ -145,12 +146,26 @@ def stub_missing_triton() -> None:
     sys.modules[name] = stub
 
 
+def _define_te_general_gemm() -> None:
+    """megatron-core 0.16 references ``te_general_gemm`` without Transformer Engine (GPU or not)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply_cpu_compat(parts: tuple[str, ...] = ALL_PARTS) -> None:
-    """Patch megatron-core's CUDA habits for this CPU-only process; does nothing when CUDA is present."""
+    """Patch megatron-core's CUDA habits for this CPU-only process.
+
+    On a GPU only the version bugs are fixed (the missing-triton stub and ``te_general_gemm``); the
+    CUDA parts do nothing there.
+    """
     stub_missing_triton()
+    if "te_gemm" in parts:
+        _define_te_general_gemm()
     if torch.cuda.is_available():
         return
-    todo = [p for p in parts if p not in _APPLIED]
+    todo = [p for p in parts if p not in _APPLIED and p != "te_gemm"]
     if "device" in todo:
         torch.cuda.current_device = lambda: torch.device("cpu")
     if "streams" in todo:
@@ -159,11 +174,6 @@ def apply_cpu_compat(parts: tuple[str, ...] = ALL_PARTS) -> None:
         _patch_all_to_all()
     if "mode" in todo:
         _CudaToCpuMode().__enter__()  # stays active for the rest of this process
-    if "te_gemm" in todo:
-        import megatron.core.transformer.moe.moe_utils as moe_utils
-
-        if not hasattr(moe_utils, "te_general_gemm"):
-            moe_utils.te_general_gemm = None
     if "rng" in todo:
         from megatron.core.tensor_parallel.random import initialize_rng_tracker
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 import logging
 
 import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
 from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import Tensor
 
 from megamoe.errors import UnsupportedSettingError
@@ -79,6 +81,7 @@ class MegaMoEBlock(MegatronModule):
         pg = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
         self.options = options or MegaMoEOptions(enabled=True)
         self.ep_group = pg.ep
+        self.expert_dp_group = pg.expt_dp
         self.tp_cp_group = pg.tp_cp
         self.layer_number: int | None = None
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
@@ -115,6 +118,36 @@ class MegaMoEBlock(MegatronModule):
             self.shared_experts = build_module(
                 submodules.shared_experts, config=config, pg_collection=pg, gate=False
             )
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Distributed-checkpoint layout: expert weights are shards of ``[E, ...]`` along the expert axis.
+
+        Rank r of the EP group holds experts ``[r*G, (r+1)*G)``; the copies on other expert-DP ranks
+        are replicas. The router and the shared expert are replicated like any dense module.
+        """
+        state = {}
+        for name in ("router", "shared_experts"):
+            module = getattr(self, name)
+            if module is not None:
+                state.update(
+                    sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata)
+                )
+        axis = len(sharded_offsets)
+        expert_shard = (axis, self.ep_group.rank(), self.ep_group.size())
+        for name, weight in (
+            ("fc1.weight", self.experts.fc1_weight),
+            ("fc2.weight", self.experts.fc2_weight),
+        ):
+            key = f"{prefix}experts.{name}"
+            state[key] = ShardedTensor.from_rank_offsets(
+                key,
+                weight,
+                *sharded_offsets,
+                expert_shard,
+                replica_id=(0, 0, self.expert_dp_group.rank()),
+                prepend_axis_num=axis,
+            )
+        return state
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number

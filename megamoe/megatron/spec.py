@@ -64,10 +64,24 @@ def _is_moe_spec(spec: Any) -> bool:
     return isinstance(spec, ModuleSpec) and spec.module is MoELayer
 
 
-def gpt_decoder_block_spec(config, *, use_mega_moe: bool, options: MegaMoEOptions):
-    """``transformer_layer_spec`` for ``GPTModel``: local layers, MoE blocks per ``moe_layer_freq``."""
+def gpt_decoder_block_spec(
+    config,
+    *,
+    use_mega_moe: bool,
+    options: MegaMoEOptions,
+    vp_stage: int | None = None,
+    pp_rank: int | None = None,
+):
+    """``transformer_layer_spec`` for ``GPTModel``: local layers, MoE blocks per ``moe_layer_freq``.
+
+    ``vp_stage``/``pp_rank`` select the layers of one (virtual) pipeline stage, as in megatron-core.
+    """
     block = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=False, normalization=config.normalization
+        config,
+        use_transformer_engine=False,
+        normalization=config.normalization,
+        vp_stage=vp_stage,
+        pp_rank=pp_rank,
     )
     block = copy.copy(block)
     layers = []

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import inspect
 import logging
 import math
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megamoe.errors import InvalidConfigError, UnsupportedSettingError
+from megamoe.errors import InvalidConfigError
 from megamoe.train.schema import PretrainConfig
 from megamoe.train.validate import RunPlan
 
@@ -176,18 +175,9 @@ def layer_spec(cfg: PretrainConfig, tconfig: Any, switch: MoESwitch, vp_stage: i
     """The decoder block spec for one model chunk (local, non-TE modules)."""
     from megamoe.megatron import gpt_decoder_block_spec
 
-    # Without VPP the spec slices this rank's layers from megatron's parallel state; a virtual stage
-    # must be named, so only then is vp_stage passed.
-    stage = {} if vp_stage is None else {"vp_stage": vp_stage}
-    if stage and "vp_stage" not in inspect.signature(gpt_decoder_block_spec).parameters:
-        raise UnsupportedSettingError(
-            "virtual_pipeline_model_parallel_size",
-            tconfig.virtual_pipeline_model_parallel_size,
-            "virtual pipeline stages need megamoe.megatron.gpt_decoder_block_spec(..., vp_stage=...), "
-            "which this build lacks",
-            "Use a layout with one stage per pipeline rank",
-        )
-    block = gpt_decoder_block_spec(tconfig, use_mega_moe=switch.use_mega_moe, options=switch.options, **stage)
+    block = gpt_decoder_block_spec(
+        tconfig, use_mega_moe=switch.use_mega_moe, options=switch.options, vp_stage=vp_stage
+    )
     return _local_mla_attention(block) if cfg.model.multi_latent_attention else block
 
 

@@ -102,10 +102,6 @@ def test_deepseek_v3_tiny_mla_mtp_group_routing_trains_with_megamoe_ep2(tmp_path
     assert "EP=2 (8 experts/rank)" in proc.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="megamoe.megatron.gpt_decoder_block_spec takes no vp_stage, so a rank's virtual stages cannot be built",
-)
 def test_pretrain_pp2_with_two_virtual_stages_per_rank_loss_goes_down(tmp_path: Path) -> None:
     train(DEMO_PP2, tmp_path, "--pipeline_model_parallel_layout", "Et|t|t|tL", "--train_iters", "6",
           "--progress_bar", "false", "--disable_last_saving", "true")  # fmt: skip
@@ -198,10 +194,7 @@ def _kill_after_first_checkpoint(workspace: Path, argv: tuple[str, ...]) -> int:
         pytest.param(("--use_turbo_mega_moe", "false", "--use_distributed_optimizer", "false",
                       "--overlap_param_gather", "false"), id="moelayer-plain-optimizer"),
         pytest.param(("--use_distributed_optimizer", "false", "--overlap_param_gather", "false"),
-                     id="megamoe-plain-optimizer", marks=pytest.mark.xfail(strict=True, reason=(
-                         "MegaMoEBlock has no sharded_state_dict: its EP-sharded expert weights are saved as "
-                         "replicas, so rank 1 reloads rank 0's experts (the distributed optimizer's param "
-                         "restore hides it); megamoe/megatron must shard them over EP"))),
+                     id="megamoe-plain-optimizer"),  # EP-sharded expert weights: each rank reloads its own
     ],
 )  # fmt: skip
 def test_killed_run_resumes_from_its_checkpoint_on_the_uninterrupted_curve(
