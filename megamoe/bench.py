@@ -120,8 +120,11 @@ def _peak_gib(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def _cases(mode: str, shape: ModelShape, routing: str, device: torch.device):
-    """Yield ``(impl, forward_fn, leaves)`` for ours and the baseline, on one set of inputs."""
+def _cases(mode: str, shape: ModelShape, routing: str, device: torch.device, precision: str = "bf16"):
+    """Yield ``(impl, forward_fn, leaves)`` for ours and the baseline, on one set of inputs.
+
+    With ``precision="mxfp8"`` the baseline is our own bf16 path (the MXFP8 target is relative to it).
+    """
     from megamoe import dispatch_grouped_gemm, fused_mega_moe, grouped_gemm_combine
 
     torch.manual_seed(0)
@@ -132,7 +135,10 @@ def _cases(mode: str, shape: ModelShape, routing: str, device: torch.device):
     w2 = (torch.randn(G, H, I, device=device, dtype=dt) / I**0.5).requires_grad_()
     idx, tw = make_routing(shape, routing, device=device)
     tw = tw.requires_grad_()
-    if mode == "layer":
+    if precision == "mxfp8":
+        yield "megamoe", lambda: fused_mega_moe(x, idx, tw, w1, w2, precision="mxfp8"), [x, tw, w1, w2]
+        yield "baseline", lambda: fused_mega_moe(x, idx, tw, w1, w2, backend="triton"), [x, tw, w1, w2]
+    elif mode == "layer":
         yield "megamoe", lambda: fused_mega_moe(x, idx, tw, w1, w2, backend="triton"), [x, tw, w1, w2]
         yield "baseline", lambda: baseline_layer(x, idx, tw, w1, w2), [x, tw, w1, w2]
     elif mode == "dispatch_grouped_gemm":
@@ -171,14 +177,16 @@ def _gemm1_alone(shape: ModelShape, routing: str, device: torch.device) -> list[
     return [("gemm1 (gather fused)", ours), ("torch._grouped_mm (pre-gathered)", theirs)]
 
 
-def run(mode: str, models: list[str], routings: list[str], fwd_only: bool) -> list[Result]:
+def run(
+    mode: str, models: list[str], routings: list[str], fwd_only: bool, precision: str = "bf16"
+) -> list[Result]:
     device = torch.device("cuda")
     results: list[Result] = []
     for name in models:
         shape = MODELS[name]
         rows = shape.tokens * shape.topk
         for routing in routings:
-            for impl, forward, leaves in _cases(mode, shape, routing, device):
+            for impl, forward, leaves in _cases(mode, shape, routing, device, precision):
                 grad_out = torch.randn_like(forward())
 
                 def fwd(forward=forward):
@@ -195,7 +203,7 @@ def run(mode: str, models: list[str], routings: list[str], fwd_only: bool) -> li
                     results.append(Result(name, routing, mode, phase, impl, ms, tflops, _peak_gib(fn)))
                     for leaf in leaves:
                         leaf.grad = None
-            if mode == "dispatch_grouped_gemm":
+            if mode == "dispatch_grouped_gemm" and precision == "bf16":
                 for impl, ms in _gemm1_alone(shape, routing, device):
                     tflops = 4 * rows * shape.hidden * shape.inter / (ms * 1e-3) / 1e12
                     results.append(Result(name, routing, "gemm1", "fwd", impl, ms, tflops, float("nan")))
@@ -232,10 +240,28 @@ def _split(value: str) -> list[str]:
     "--routing", "routings", default="uniform,skewed", show_default=True, help="uniform and/or skewed"
 )
 @click.option("--fwd-only", is_flag=True, help="time the forward only")
+@click.option(
+    "--precision",
+    type=click.Choice(["bf16", "mxfp8"]),
+    default="bf16",
+    show_default=True,
+    help="expert GEMM precision; mxfp8 (layer mode) is timed against our own bf16 path. Until MXFP8 GPU "
+    "kernels exist it runs the exact emulation, so its numbers measure that, not the format",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write every result here")
 @click.option("--dry-run", is_flag=True, help="print the cases and exit without touching the GPU")
-def main(mode: str, models: str, routings: str, fwd_only: bool, json_path: str | None, dry_run: bool) -> None:
+def main(
+    mode: str,
+    models: str,
+    routings: str,
+    fwd_only: bool,
+    precision: str,
+    json_path: str | None,
+    dry_run: bool,
+) -> None:
     names = _split(models)
+    if precision == "mxfp8" and mode != "layer":
+        raise click.BadParameter("mxfp8 is benchmarked in --mode layer only", param_hint="--precision")
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         raise click.BadParameter(
@@ -247,11 +273,13 @@ def main(mode: str, models: str, routings: str, fwd_only: bool, json_path: str |
         raise click.BadParameter(f"unknown routing {bad}; use uniform and/or skewed", param_hint="--routing")
     if dry_run:
         for n in names:
-            click.echo(f"{mode} {n} {asdict(MODELS[n])} routing={routing_list} fwd_only={fwd_only}")
+            click.echo(
+                f"{mode} {n} {asdict(MODELS[n])} routing={routing_list} fwd_only={fwd_only} precision={precision}"
+            )
         return
     if not torch.cuda.is_available():
         raise click.ClickException("the benchmark needs a CUDA GPU (torch.cuda.is_available() is False)")
-    results = run(mode, names, routing_list, fwd_only)
+    results = run(mode, names, routing_list, fwd_only, precision)
     props = torch.cuda.get_device_properties(0)
     click.echo(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
     click.echo(format_table([r for r in results if r.mode != "gemm1"]))
