@@ -12,15 +12,12 @@ PyTorch reference everywhere else.
 from __future__ import annotations
 
 import importlib.util
-import logging
 
 import torch
 
 from megamoe.backends.base import ExpertBackend
 from megamoe.backends.reference import ReferenceBackend
 from megamoe.errors import InvalidConfigError, UnsupportedSettingError
-
-logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("auto", "reference", "triton", "primus_turbo")
 PRECISIONS = ("bf16", "mxfp8")

@@ -12,8 +12,6 @@ same seed start from the same weights.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -28,8 +26,6 @@ from megamoe.errors import UnsupportedSettingError
 from megamoe.layer import MegaMoEExperts
 from megamoe.megatron.options import MegaMoEOptions
 from megamoe.router import MegaMoERouter, RouterConfig
-
-logger = logging.getLogger(__name__)
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 

@@ -7,7 +7,6 @@ which would make an A/B comparison measure the wrong thing.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,8 +16,6 @@ import torch.nn.functional as F
 from megamoe.backends import BACKEND_NAMES
 from megamoe.errors import InvalidConfigError, UnsupportedSettingError
 from megamoe.quant.precision import check_precision
-
-logger = logging.getLogger(__name__)
 
 SUPPORTED_LOAD_BALANCING = ("aux_loss", "none")
 

@@ -7,7 +7,6 @@ process group) matters: without it gloo occasionally aborts at interpreter exit 
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,8 +15,6 @@ import torch
 import torch.distributed as dist
 
 from megamoe.train.schema import PretrainConfig
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)

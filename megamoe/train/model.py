@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +16,6 @@ import torch.nn.functional as F
 from megamoe.errors import InvalidConfigError
 from megamoe.train.schema import PretrainConfig
 from megamoe.train.validate import RunPlan
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)

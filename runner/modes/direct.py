@@ -10,7 +10,6 @@ config, with 1 node, rank 0, localhost. `--nproc-per-node` is GPUS_PER_NODE, els
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +18,6 @@ from runner.chain import Request
 from runner.errors import ConfigError
 from runner.host import HostFacts, expand_nodelist
 from runner.plan import LaunchPlan, Step
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
