@@ -36,6 +36,14 @@ ForceBalance = Literal["even", "uniform"]
 AuxLossAttach = Callable[[Tensor, Tensor], Tensor]
 
 
+def check_force_load_balancing(value: object) -> None:
+    """Raise unless ``value`` is None or a forced-balancing mode (``even``, ``uniform``)."""
+    if value not in (None, "even", "uniform"):
+        raise InvalidConfigError(
+            "moe_router_force_load_balancing_type", value, "unknown", "Use 'even' or 'uniform'"
+        )
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class RouterConfig:
     """What a router computes; field names follow megatron-core's ``moe_router_*`` settings."""
@@ -80,13 +88,7 @@ class RouterConfig:
                 "softmax over one value is always 1, so the router would get no gradient",
                 "Set moe_router_pre_softmax=true",
             )
-        if self.force_load_balancing not in (None, "even", "uniform"):
-            raise InvalidConfigError(
-                "moe_router_force_load_balancing_type",
-                self.force_load_balancing,
-                "unknown",
-                "Use 'even' or 'uniform'",
-            )
+        check_force_load_balancing(self.force_load_balancing)
         if self.group_topk:
             self._check_groups()
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megamoe.backends import BACKEND_NAMES
 from megamoe.errors import InvalidConfigError, UnsupportedSettingError
 from megamoe.quant.precision import check_precision
+from megamoe.router import check_force_load_balancing
 
 SUPPORTED_LOAD_BALANCING = ("aux_loss", "none")
 
@@ -38,13 +39,7 @@ class MegaMoEOptions:
             raise InvalidConfigError(
                 "backend", self.backend, "unknown", f"Use one of {', '.join(BACKEND_NAMES)}"
             )
-        if self.force_load_balancing not in (None, "even", "uniform"):
-            raise InvalidConfigError(
-                "moe_router_force_load_balancing_type",
-                self.force_load_balancing,
-                "unknown",
-                "Use 'even' or 'uniform'",
-            )
+        check_force_load_balancing(self.force_load_balancing)
 
 
 @dataclass(frozen=True, slots=True)
