@@ -9,7 +9,7 @@ only known on each node (its rank, the job id) appear as `<NAME>` placeholders.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 StepKind = Literal["sbatch", "srun", "container", "torchrun"]
@@ -65,6 +65,15 @@ class LaunchPlan:
     warnings: tuple[str, ...] = ()
     log_file: str | None = None
     skipped_hooks: tuple[str, ...] = field(default=())
+
+    def wrapped_by(self, outer: Step, warnings: tuple[str, ...] = ()) -> LaunchPlan:
+        """This plan with ``outer`` run first (a mode wrapping the chain built so far)."""
+        return replace(
+            self,
+            steps=(outer, *self.steps),
+            env_names=tuple(dict.fromkeys((*outer.env_names, *self.env_names))),
+            warnings=tuple(dict.fromkeys((*self.warnings, *warnings))),
+        )
 
     def step(self, kind: StepKind) -> Step | None:
         return next((s for s in self.steps if s.kind == kind), None)

@@ -112,7 +112,7 @@ def build(
 ) -> LaunchPlan:
     """Prepend the container step to the direct layer `inner` (built for inside the container)."""
     c = req.config.container
-    warnings = list(inner.warnings)
+    warnings: list[str] = []
     rt = runtime(req, host, warnings, dry_run=dry_run)
     names = env_mod.forwarded_names(
         req.config.env, host.env, (*req.env_names, *env_mod.DISTRIBUTED_VARS, env_mod.REQUEST_VAR)
@@ -147,16 +147,7 @@ def build(
         argv += ["-e", n]
     argv += [c.image, container_python(req, host), "-m", "runner.node"]
     step = Step(kind="container", argv=tuple(argv), where=where, env_names=names)
-    return LaunchPlan(
-        chain=req.chain,
-        steps=(step, *inner.steps),
-        hooks=inner.hooks,
-        hooks_where=inner.hooks_where,
-        skipped_hooks=inner.skipped_hooks,
-        env_names=tuple(dict.fromkeys((*names, *inner.env_names))),
-        warnings=tuple(dict.fromkeys(warnings)),
-        log_file=inner.log_file,
-    )
+    return inner.wrapped_by(step, tuple(warnings))
 
 
 def clean_argv(rt: str) -> tuple[list[str], list[str]]:

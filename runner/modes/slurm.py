@@ -74,13 +74,4 @@ def build(req: Request, host: HostFacts, inner: LaunchPlan) -> LaunchPlan:
             where="here",
             env_names=(env_mod.REQUEST_VAR,),
         )
-    return LaunchPlan(
-        chain=req.chain,
-        steps=(step, *inner.steps),
-        hooks=inner.hooks,
-        hooks_where=inner.hooks_where,
-        skipped_hooks=inner.skipped_hooks,
-        env_names=tuple(dict.fromkeys((*step.env_names, *inner.env_names))),
-        warnings=inner.warnings,
-        log_file=inner.log_file,
-    )
+    return inner.wrapped_by(step)
