@@ -9,13 +9,18 @@ dispatched ``x`` (backward gathers ``x`` and ``dy`` transiently for the TMA-fed 
 SwiGLU and its backward are one memory pass each between the GEMMs; the combine is a deterministic
 fixed-order gather-reduce. docs/kernels.md has the measurements behind each choice.
 
-EP > 1: tokens travel by NCCL ``all_to_all_single`` (:class:`~megamoe.backends.exchange.TokenExchange`,
-which reads the split sizes on the host) around the same Triton expert kernels, which then see the
-received rows as R "tokens" with one slot each. The fully fused symmetric-memory path is later work.
+EP > 1, two transports (``MEGAMOE_EP_TRANSPORT``):
+
+* ``symm`` (default on CUDA): :mod:`megamoe.backends.symm`, the token exchange fused into the
+  grouped GEMMs over symmetric memory, within one node, no host sync;
+* ``nccl`` (default elsewhere, and the serial baseline): NCCL/gloo ``all_to_all_single``
+  (:class:`~megamoe.backends.exchange.TokenExchange`, which reads the split sizes on the host) around
+  the same Triton expert kernels, which then see the received rows as R "tokens" with one slot each.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megamoe.backends.exchange import TokenExchange
+from megamoe.backends.symm.backend import SymmBackend, SymmPlan
 from megamoe.backends.triton import ops
 from megamoe.backends.triton.configs import block_m
 from megamoe.backends.triton.routing import RoutingPlan, build_routing_plan
@@ -44,16 +50,35 @@ def _ep_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
 
 
+EP_TRANSPORTS = ("symm", "nccl")
+
+
+def ep_transport(device: torch.device) -> str:
+    """How tokens move between EP ranks: ``MEGAMOE_EP_TRANSPORT``, else ``symm`` on CUDA, ``nccl`` elsewhere."""
+    name = os.environ.get("MEGAMOE_EP_TRANSPORT") or ("symm" if device.type == "cuda" else "nccl")
+    if name not in EP_TRANSPORTS:
+        raise ValueError(f"MEGAMOE_EP_TRANSPORT={name!r}: use one of {', '.join(EP_TRANSPORTS)}")
+    return name
+
+
 class TritonBackend:
-    """Implements :class:`~megamoe.backends.base.ExpertBackend` with the kernels of this package."""
+    """Implements :class:`~megamoe.backends.base.ExpertBackend` with the kernels of this package.
+
+    With EP > 1 over symmetric memory every call is handed to :class:`SymmBackend` (its plan says so).
+    """
 
     name = "triton"
 
+    def __init__(self) -> None:
+        self._symm = SymmBackend()
+
     def make_plan(
         self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
-    ) -> TritonPlan:
+    ) -> TritonPlan | SymmPlan:
         ep = _ep_size(group)
         bm = block_m(topk_idx_TK.device)
+        if ep > 1 and ep_transport(topk_idx_TK.device) == "symm":
+            return self._symm.make_plan(topk_idx_TK, num_experts=num_experts, group=group)
         if ep == 1:
             return TritonPlan(build_routing_plan(topk_idx_TK, num_experts=num_experts, block_m=bm), None)
         exchange = TokenExchange.build(topk_idx_TK, num_experts=num_experts, group=group)
@@ -65,8 +90,10 @@ class TritonBackend:
         return TritonPlan(routing, exchange)
 
     def stage1_forward(
-        self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: TritonPlan
+        self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: TritonPlan | SymmPlan
     ) -> tuple[Tensor, Tensor]:
+        if isinstance(plan, SymmPlan):
+            return self._symm.stage1_forward(x_TH, topk_weights_TK, w1_G2IH, plan)
         r = plan.routing
         if plan.exchange is None:
             rows = x_TH.contiguous()
@@ -82,11 +109,15 @@ class TritonBackend:
         self,
         x_TH: Tensor,
         w1_G2IH: Tensor,
-        plan: TritonPlan,
+        plan: TritonPlan | SymmPlan,
         grad_h_R2I: Tensor,
         grad_dispatch_weights_R: Tensor,
         needs_grad: tuple[bool, bool, bool],
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        if isinstance(plan, SymmPlan):
+            return self._symm.stage1_backward(
+                x_TH, w1_G2IH, plan, grad_h_R2I, grad_dispatch_weights_R, needs_grad
+            )
         need_dx, need_dweights, need_dw1 = needs_grad
         r = plan.routing
         ex = plan.exchange
@@ -115,8 +146,10 @@ class TritonBackend:
         return dx, d_weights, dw1
 
     def stage2_forward(
-        self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: TritonPlan
+        self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: TritonPlan | SymmPlan
     ) -> Tensor:
+        if isinstance(plan, SymmPlan):
+            return self._symm.stage2_forward(h_R2I, dispatch_weights_R, w2_GHI, plan)
         r = plan.routing
         y = ops.gemm2_combine_forward(
             h_R2I.contiguous(),
@@ -135,10 +168,12 @@ class TritonBackend:
         h_R2I: Tensor,
         dispatch_weights_R: Tensor,
         w2_GHI: Tensor,
-        plan: TritonPlan,
+        plan: TritonPlan | SymmPlan,
         dy_TH: Tensor,
         needs_grad: tuple[bool, bool, bool],
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        if isinstance(plan, SymmPlan):
+            return self._symm.stage2_backward(h_R2I, dispatch_weights_R, w2_GHI, plan, dy_TH, needs_grad)
         need_dh, need_dweights, need_dw2 = needs_grad
         r = plan.routing
         dy = dy_TH.to(h_R2I.dtype).contiguous()

@@ -1,4 +1,4 @@
-"""Triton backend tests.
+"""Tests of the Triton kernels (triton/, symm/) run on any machine.
 
 CPU logic tests run the kernels under ``TRITON_INTERPRET=1`` in float32. Triton reads that variable
 when a kernel is decorated, so it is set here, before any test module imports the kernels, and only
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent  # tests/megamoe: triton/ and symm/
 
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -41,6 +41,6 @@ def pytest_collection_modifyitems(config, items) -> None:
 def pytest_terminal_summary(terminalreporter) -> None:
     if _deselected:
         terminalreporter.write_line(
-            f"megamoe triton: {len(_deselected)} gpu tests deselected (no CUDA here); "
-            "run `pytest -m gpu tests/megamoe/triton` on a GPU machine"
+            f"megamoe: {len(_deselected)} gpu tests deselected (no CUDA here); "
+            "run `pytest -m gpu tests/megamoe` on a GPU machine"
         )

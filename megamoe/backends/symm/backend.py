@@ -1,0 +1,263 @@
+"""The fused multi-GPU expert path: :class:`~megamoe.backends.base.ExpertBackend` over symmetric memory.
+
+Legend: T tokens, H hidden, I intermediate, E experts, G local experts, K top-k, P pool rows (the
+static row count of every per-row tensor on the expert side; rows past ``expert_start[G]`` are padding).
+
+Each op starts with :func:`~.launch.begin_op` (epoch + barrier), then::
+
+    stage 1 fwd   [exchange counts] -> layout -> push x rows + weights | GEMM1 tiles wait per expert -> h
+    stage 2 fwd   SwiGLU -> GEMM2 * weight, rows pushed to their source's combine slots -> wait -> sum over K
+    stage 2 bwd   push dy rows | GEMM2-dgrad tiles wait per expert -> SwiGLU bwd -> dW2 on the pool
+    stage 1 bwd   push x rows again (dW1 recompute) | GEMM1-dgrad rows + d(weight) pushed to sources
+                  -> wait -> dx = sum over K; wait for the pool -> dW1 on the pool
+
+The forward never keeps a dispatched ``x``: backward pushes it again into the pool while the dgrad
+GEMM runs. Nothing here reads a device value on the host (debug mode excepted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megamoe.backends.symm import launch
+from megamoe.backends.symm.layout import SymmLayout, build_layout
+from megamoe.backends.symm.workspace import COUNTER_COMBINE, COUNTER_POOL, SymmWorkspace, get_workspace
+from megamoe.backends.triton.combine import combine
+from megamoe.backends.triton.configs import block_m, num_programs, wgrad_config
+from megamoe.backends.triton.routing import RoutingPlan, build_routing_plan
+from megamoe.backends.triton.swiglu import swiglu_backward, swiglu_forward
+from megamoe.backends.triton.wgrad import grouped_wgrad
+
+
+@dataclass(slots=True)
+class SymmPlan:
+    """The send-side sort of one forward; stage 1 adds the workspace and the exchanged layout."""
+
+    group: dist.ProcessGroup
+    num_experts: int
+    send: RoutingPlan
+    """this rank's slots sorted by global expert: send positions, their tokens and slots."""
+    ws: SymmWorkspace | None = None
+    layout: SymmLayout | None = None
+    recv: RoutingPlan | None = field(default=None)
+    """the pool rows as a routing plan over the local experts (for the shared Triton kernels)."""
+
+
+def _counts(send: RoutingPlan) -> Tensor:
+    start = send.expert_start_G1
+    return (start[1:] - start[:-1]).contiguous()
+
+
+class SymmBackend:
+    """Token exchange fused into the grouped GEMMs over symmetric memory (one node, EP >= 2)."""
+
+    name = "triton_symm"
+
+    def make_plan(
+        self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
+    ) -> SymmPlan:
+        if group is None:
+            raise ValueError("the symmetric-memory path needs an EP process group")
+        send = build_routing_plan(topk_idx_TK, num_experts=num_experts, block_m=block_m(topk_idx_TK.device))
+        return SymmPlan(group=group, num_experts=num_experts, send=send)
+
+    def _exchange(self, plan: SymmPlan, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        s = plan.send
+        ws = get_workspace(
+            plan.group,
+            num_tokens=s.num_tokens,
+            topk=s.topk,
+            num_experts=plan.num_experts,
+            hidden=hidden,
+            dtype=dtype,
+            device=device,
+        )
+        launch.begin_op(ws, _counts(s))
+        counts = ws.view("counts").index_select(0, (ws.state[:1] % 2).long()).squeeze(0)
+        layout = build_layout(
+            counts,
+            rank=ws.rank,
+            num_local_experts=ws.num_local_experts,
+            pool_rows=ws.pool_rows,
+            block_m=s.block_m,
+        )
+        plan.ws, plan.layout = ws, layout
+        P = ws.pool_rows
+        plan.recv = RoutingPlan(
+            num_tokens=P,
+            topk=1,
+            num_experts=ws.num_local_experts,
+            block_m=s.block_m,
+            row_slot_R=layout.row_pos_R,
+            row_token_R=layout.row_pos_R,
+            slot_row_S=layout.row_pos_R,
+            expert_start_G1=layout.expert_start_G1,
+            tiles_X3=layout.tiles_X3,
+            num_tiles_1=layout.num_tiles_1,
+        )
+
+    def _push(self, plan: SymmPlan, src_TH: Tensor, weights_TK: Tensor | None = None) -> launch.Push:
+        s, lay = plan.send, plan.layout
+        return launch.Push(
+            src_TH=src_TH,
+            send_token_S=s.row_token_R,
+            send_start_E1=s.expert_start_G1,
+            send_dest_row_E=lay.send_dest_row_E,
+            send_slot_S=s.row_slot_R if weights_TK is not None else None,
+            weights_TK=weights_TK,
+        )
+
+    def _valid_rows(self, plan: SymmPlan) -> Tensor:
+        rows = torch.arange(plan.ws.pool_rows, device=plan.layout.expert_start_G1.device, dtype=torch.int32)
+        return rows < plan.layout.expert_start_G1[-1]
+
+    def stage1_forward(
+        self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: SymmPlan
+    ) -> tuple[Tensor, Tensor]:
+        x = x_TH.contiguous()
+        self._exchange(plan, x.shape[1], x.dtype, x.device)
+        ws, lay = plan.ws, plan.layout
+        h = x.new_empty(ws.pool_rows, w1_G2IH.shape[1])
+        launch.fused_gemm(
+            ws,
+            op="gemm1",
+            a_RK=ws.view("pool"),
+            b=w1_G2IH.contiguous(),
+            b_kn=False,
+            tiles_X3=lay.tiles_X3,
+            num_tiles_1=lay.num_tiles_1,
+            out_RN=h,
+            push=self._push(plan, x, topk_weights_TK.contiguous()),
+            wait=True,
+        )
+        weights = ws.view("pool_weight").to(topk_weights_TK.dtype)
+        weights = torch.where(self._valid_rows(plan), weights, torch.zeros_like(weights))
+        launch.check(ws)
+        return h, weights
+
+    def stage2_forward(
+        self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: SymmPlan
+    ) -> Tensor:
+        ws, lay, s = plan.ws, plan.layout, plan.send
+        launch.begin_op(ws)
+        a = h_R2I.new_empty(h_R2I.shape[0], w2_GHI.shape[2])
+        swiglu_forward(h_R2I, a, lay.expert_start_G1[-1:])
+        launch.fused_gemm(
+            ws,
+            op="gemm2",
+            a_RK=a,
+            b=w2_GHI.contiguous(),
+            b_kn=False,
+            tiles_X3=lay.tiles_X3,
+            num_tiles_1=lay.num_tiles_1,
+            remote=launch.RemoteOut(lay.row_src_R, lay.row_pos_R),
+            row_scale_R=dispatch_weights_R.float().contiguous(),
+        )
+        y = h_R2I.new_empty(s.num_tokens, w2_GHI.shape[1])
+        launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
+        combine(ws.view("combine"), s.slot_row_S, y, topk=s.topk, weights_R=None)
+        launch.check(ws)
+        return y
+
+    def stage2_backward(
+        self,
+        h_R2I: Tensor,
+        dispatch_weights_R: Tensor,
+        w2_GHI: Tensor,
+        plan: SymmPlan,
+        dy_TH: Tensor,
+        needs_grad: tuple[bool, bool, bool],
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        need_dh, need_dweights, need_dw2 = needs_grad
+        ws, lay = plan.ws, plan.layout
+        launch.begin_op(ws)
+        inter = w2_GHI.shape[2]
+        P = h_R2I.shape[0]
+        dy_pool = ws.view("pool")
+        da = h_R2I.new_empty(P, inter)
+        w2 = w2_GHI.contiguous()
+        launch.fused_gemm(
+            ws,
+            op="dgrad2",
+            a_RK=dy_pool,
+            b=w2,
+            b_kn=True,
+            tiles_X3=lay.tiles_X3,
+            num_tiles_1=lay.num_tiles_1,
+            out_RN=da,
+            push=self._push(plan, dy_TH.to(h_R2I.dtype).contiguous()),
+            wait=True,
+        )
+        dh = h_R2I.new_empty(P, 2 * inter)
+        aw = h_R2I.new_empty(P, inter)
+        d_weights = torch.empty(P, dtype=torch.float32, device=h_R2I.device)
+        swiglu_backward(
+            h_R2I, da, dispatch_weights_R.contiguous(), dh, aw, d_weights, lay.expert_start_G1[-1:]
+        )
+        dw2 = None
+        if need_dw2:
+            dw2 = torch.empty_like(w2)
+            dev = h_R2I.device
+            grouped_wgrad(dy_pool, aw, dw2, plan.recv, config=wgrad_config(dev), num_sms=num_programs(dev))
+        launch.check(ws)
+        return (
+            dh if need_dh else None,
+            d_weights.to(dispatch_weights_R.dtype) if need_dweights else None,
+            dw2,
+        )
+
+    def stage1_backward(
+        self,
+        x_TH: Tensor,
+        w1_G2IH: Tensor,
+        plan: SymmPlan,
+        grad_h_R2I: Tensor,
+        grad_dispatch_weights_R: Tensor,
+        needs_grad: tuple[bool, bool, bool],
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        need_dx, need_dweights, need_dw1 = needs_grad
+        ws, lay, s = plan.ws, plan.layout, plan.send
+        launch.begin_op(ws)
+        x = x_TH.contiguous()
+        w1 = w1_G2IH.contiguous()
+        launch.fused_gemm(
+            ws,
+            op="dgrad1",
+            a_RK=grad_h_R2I.contiguous(),
+            b=w1,
+            b_kn=True,
+            tiles_X3=lay.tiles_X3,
+            num_tiles_1=lay.num_tiles_1,
+            push=self._push(plan, x),
+            remote=launch.RemoteOut(
+                lay.row_src_R, lay.row_pos_R, grad_dispatch_weights_R.float().contiguous()
+            ),
+        )
+        launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
+        dx = d_weights = dw1 = None
+        if need_dx:
+            dx = x.new_empty(x.shape)
+            combine(ws.view("combine"), s.slot_row_S, dx, topk=s.topk, weights_R=None)
+        if need_dweights:
+            slot_row = s.slot_row_S
+            picked = ws.view("combine_scalar").index_select(0, slot_row.clamp(min=0))
+            d_weights = torch.where(slot_row >= 0, picked, torch.zeros_like(picked))
+            d_weights = d_weights.view(s.num_tokens, s.topk).to(grad_dispatch_weights_R.dtype)
+        if need_dw1:
+            launch.wait_flags(ws, "pool_ready", COUNTER_POOL)
+            dw1 = torch.empty_like(w1)
+            dev = x.device
+            grouped_wgrad(
+                grad_h_R2I.contiguous(),
+                ws.view("pool"),
+                dw1,
+                plan.recv,
+                config=wgrad_config(dev),
+                num_sms=num_programs(dev),
+            )
+        launch.check(ws)
+        return dx, d_weights, dw1

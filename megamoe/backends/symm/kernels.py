@@ -1,0 +1,319 @@
+"""Triton kernels of the fused multi-GPU path: the op barrier, the comm + grouped-GEMM kernel, waits.
+
+Legend: W EP ranks, G local experts, H row width, P pool rows, S send positions (this rank's routed
+slots sorted by global expert).
+
+Peers are reached through the workspace's table of buffer bases (``buffer_ptrs_dev``): a peer's
+region is ``base[r] + offset``, loaded and stored like local memory. Signals are release stores of
+the op epoch at system scope; waits poll with acquire loads until ``>= epoch``, so nothing is reset
+between ops. A bounded wait (debug mode) records what it waited on and gives up instead of hanging.
+
+The fused kernel has two roles in one persistent grid (comm programs get the lowest ids, so they are
+scheduled first and no waiting program can starve them)::
+
+    programs [0, num_comm):  for each (expert g, destination d), g-major so early experts land first:
+                                 push my rows of expert d*G+g into d's pool; release pool_ready[me, g] on d
+                             then join the GEMM role
+    every program:           for tile in a device tile counter (early experts first):
+                                 [WAIT] acquire pool_ready[s, expert] for every source s
+                                 acc = A[rows] @ B[expert]   (A rows by pointer loads)
+                                 store locally, or [OUT_REMOTE] push each row to its source's combine slot
+                             [SIGNAL] the last program out releases combine_ready[me] on every rank
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from megamoe.backends.symm.workspace import (
+    COUNTER_ARRIVE,
+    COUNTER_POOL,
+    STATE_DONE,
+    STATE_ERROR,
+    STATE_TILE,
+)
+
+# jit code reads module globals only as constexprs
+_TILE = tl.constexpr(STATE_TILE)
+_DONE = tl.constexpr(STATE_DONE)
+_ERROR = tl.constexpr(STATE_ERROR)
+_ARRIVE = tl.constexpr(COUNTER_ARRIVE)
+_POOL = tl.constexpr(COUNTER_POOL)
+
+
+@triton.jit
+def _spin_until(ptr, expected, state_ptr, rank, counter_id, index, max_spins):
+    """Acquire-poll ``*ptr`` until ``>= expected``; after ``max_spins`` polls record the failure and return."""
+    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    spins = 0
+    while (seen < expected) & (spins < max_spins):
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        spins += 1
+    if seen < expected:
+        first = tl.atomic_cas(state_ptr + _ERROR, 0, 1) == 0  # keep the first failure
+        if first:
+            tl.store(state_ptr + _ERROR + 1, rank)
+            tl.store(state_ptr + _ERROR + 2, counter_id)
+            tl.store(state_ptr + _ERROR + 3, index)
+            tl.store(state_ptr + _ERROR + 4, seen)
+            tl.store(state_ptr + _ERROR + 5, expected)
+
+
+@triton.jit
+def _barrier_kernel(
+    ptrs_dev,
+    state_ptr,
+    counts_ptr,
+    rank,
+    world,
+    E,
+    ARRIVE_OFF,
+    COUNTS_OFF,
+    max_spins,
+    HAS_COUNTS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Start an op: bump the epoch, reset the tile and done counters, [publish my counts,] barrier."""
+    epoch = tl.load(state_ptr) + 1
+    tl.store(state_ptr, epoch)
+    tl.store(state_ptr + _TILE, 0)
+    tl.store(state_ptr + _DONE, 0)
+    bases = ptrs_dev.to(tl.pointer_type(tl.int64))
+    offs = tl.arange(0, BLOCK_E)
+    for r in range(world):
+        base = tl.load(bases + r)
+        if HAS_COUNTS:
+            dst = (base + COUNTS_OFF).to(tl.pointer_type(tl.int32)) + ((epoch % 2) * world + rank) * E
+            for e0 in range(0, E, BLOCK_E):
+                mask = e0 + offs < E
+                tl.store(dst + e0 + offs, tl.load(counts_ptr + e0 + offs, mask=mask), mask=mask)
+        tl.debug_barrier()
+        tl.atomic_xchg(
+            (base + ARRIVE_OFF).to(tl.pointer_type(tl.int32)) + rank, epoch, sem="release", scope="sys"
+        )
+    mine = (tl.load(bases + rank) + ARRIVE_OFF).to(tl.pointer_type(tl.int32))
+    for s in range(world):
+        _spin_until(mine + s, epoch, state_ptr, rank, _ARRIVE, s, max_spins)
+
+
+@triton.jit
+def _wait_kernel(flags_ptr, n, state_ptr, rank, counter_id, max_spins):
+    """Wait until every one of ``flags[0:n]`` reached this op's epoch."""
+    epoch = tl.load(state_ptr)
+    for i in range(n):
+        _spin_until(flags_ptr + i, epoch, state_ptr, rank, counter_id, i, max_spins)
+
+
+@triton.jit
+def _swizzle(tile_id, num_m, num_n, GROUP_M: tl.constexpr):
+    width = GROUP_M * num_n
+    first_m = (tile_id // width) * GROUP_M
+    size = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile_id % width) % size, (tile_id % width) // size
+
+
+@triton.jit
+def _push_rows(
+    pid,
+    num_comm,
+    epoch,
+    bases,
+    rank,
+    world,
+    G,
+    pool_rows,
+    src_ptr,
+    send_token_ptr,
+    send_slot_ptr,
+    send_weight_ptr,
+    send_start_ptr,
+    send_dest_row_ptr,
+    H,
+    POOL_OFF,
+    POOL_W_OFF,
+    POOL_READY_OFF,
+    PUSH_WEIGHT: tl.constexpr,
+    COPY_ROWS: tl.constexpr,
+    COPY_COLS: tl.constexpr,
+):
+    """Comm role: copy my rows of every (expert, destination) into the destination's pool, then signal."""
+    rows = tl.arange(0, COPY_ROWS)
+    cols = tl.arange(0, COPY_COLS)
+    for task in range(pid, world * G, num_comm):
+        g = task // world
+        d = (rank + task) % world
+        e = d * G + g
+        s0 = tl.load(send_start_ptr + e)
+        s1 = tl.load(send_start_ptr + e + 1)
+        dest0 = tl.load(send_dest_row_ptr + e)
+        base = tl.load(bases + d)
+        pool = (base + POOL_OFF).to(tl.pointer_type(src_ptr.dtype.element_ty))
+        for p0 in range(s0, s1, COPY_ROWS):
+            pos = p0 + rows
+            dest = dest0 + pos - s0
+            ok = (pos < s1) & (dest < pool_rows)
+            token = tl.load(send_token_ptr + pos, mask=ok, other=0).to(tl.int64)
+            dest64 = dest.to(tl.int64)
+            for c0 in range(0, H, COPY_COLS):
+                c = c0 + cols
+                mask = ok[:, None] & (c < H)[None, :]
+                v = tl.load(src_ptr + token[:, None] * H + c[None, :], mask=mask)
+                tl.store(pool + dest64[:, None] * H + c[None, :], v, mask=mask)
+            if PUSH_WEIGHT:
+                slot = tl.load(send_slot_ptr + pos, mask=ok, other=0)
+                w = tl.load(send_weight_ptr + slot, mask=ok, other=0.0).to(tl.float32)
+                tl.store((base + POOL_W_OFF).to(tl.pointer_type(tl.float32)) + dest64, w, mask=ok)
+        tl.debug_barrier()
+        tl.atomic_xchg(
+            (base + POOL_READY_OFF).to(tl.pointer_type(tl.int32)) + rank * G + g,
+            epoch,
+            sem="release",
+            scope="sys",
+        )
+
+
+@triton.jit
+def _fused_kernel(
+    # comm role
+    src_ptr,
+    send_token_ptr,
+    send_slot_ptr,
+    send_weight_ptr,
+    send_start_ptr,
+    send_dest_row_ptr,
+    # GEMM role
+    a_ptr,
+    b_desc,
+    c_ptr,
+    row_scale_ptr,
+    scalar_ptr,
+    row_src_ptr,
+    row_pos_ptr,
+    tiles_ptr,
+    num_tiles_ptr,
+    # workspace
+    ptrs_dev,
+    state_ptr,
+    pool_ready_ptr,
+    rank,
+    world,
+    G,
+    pool_rows,
+    POOL_OFF,
+    POOL_W_OFF,
+    POOL_READY_OFF,
+    COMB_OFF,
+    COMB_SCALAR_OFF,
+    COMB_READY_OFF,
+    # sizes
+    H,
+    N,
+    K,
+    stride_a,
+    stride_c,
+    num_programs,
+    num_comm,
+    max_spins,
+    COMM: tl.constexpr,
+    PUSH_WEIGHT: tl.constexpr,
+    WAIT: tl.constexpr,
+    OUT_REMOTE: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    PUSH_SCALAR: tl.constexpr,
+    SIGNAL: tl.constexpr,
+    B_KN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    COPY_ROWS: tl.constexpr,
+    COPY_COLS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    epoch = tl.load(state_ptr)
+    bases = ptrs_dev.to(tl.pointer_type(tl.int64))
+    if COMM:  # noqa: SIM102 (compile-time branch: the runtime test must not join it)
+        if pid < num_comm:
+            _push_rows(
+                pid,
+                num_comm,
+                epoch,
+                bases,
+                rank,
+                world,
+                G,
+                pool_rows,
+                src_ptr,
+                send_token_ptr,
+                send_slot_ptr,
+                send_weight_ptr,
+                send_start_ptr,
+                send_dest_row_ptr,
+                H,
+                POOL_OFF,
+                POOL_W_OFF,
+                POOL_READY_OFF,
+                PUSH_WEIGHT,
+                COPY_ROWS,
+                COPY_COLS,
+            )
+    num_m = tl.load(num_tiles_ptr)
+    num_n = tl.cdiv(N, BLOCK_N)
+    total = num_m * num_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
+    tile_id = tl.atomic_add(state_ptr + _TILE, 1)
+    while tile_id < total:
+        pid_m, pid_n = _swizzle(tile_id, num_m, num_n, GROUP_M)
+        expert = tl.load(tiles_ptr + 3 * pid_m)
+        r0 = tl.load(tiles_ptr + 3 * pid_m + 1)
+        r_end = tl.load(tiles_ptr + 3 * pid_m + 2)
+        if WAIT:
+            for s in range(world):
+                _spin_until(
+                    pool_ready_ptr + s * G + expert, epoch, state_ptr, rank, _POOL, s * G + expert, max_spins
+                )
+        n0 = pid_n * BLOCK_N
+        offs_m = r0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < r_end
+        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            k0 = ki * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+            a_ptrs += BLOCK_K
+            if B_KN:
+                b = b_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+                acc = tl.dot(a, b, acc)
+            else:
+                b = b_desc.load([expert, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+                acc = tl.dot(a, b.T, acc)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask = mask_m[:, None] & (offs_n < N)[None, :]
+        if ROW_SCALE:
+            acc = acc * tl.load(row_scale_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+        if OUT_REMOTE:
+            src = tl.load(row_src_ptr + offs_m, mask=mask_m, other=0)
+            pos = tl.load(row_pos_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+            base = tl.load(bases + src, mask=mask_m, other=0)
+            out = (base + COMB_OFF).to(tl.pointer_type(a_ptr.dtype.element_ty))
+            tl.store(
+                out[:, None] + pos[:, None] * N + offs_n[None, :], acc.to(a_ptr.dtype.element_ty), mask=mask
+            )
+            if PUSH_SCALAR:  # noqa: SIM102 (compile-time branch)
+                if pid_n == 0:
+                    v = tl.load(scalar_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
+                    dst = (base + COMB_SCALAR_OFF).to(tl.pointer_type(tl.float32)) + pos
+                    tl.store(dst, v, mask=mask_m)
+        else:
+            c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        tile_id = tl.atomic_add(state_ptr + _TILE, 1)
+    if SIGNAL:
+        tl.debug_barrier()
+        done = tl.atomic_add(state_ptr + _DONE, 1, sem="acq_rel", scope="sys")
+        if done == num_programs - 1:
+            for r in range(world):
+                flag = (tl.load(bases + r) + COMB_READY_OFF).to(tl.pointer_type(tl.int32)) + rank
+                tl.atomic_xchg(flag, epoch, sem="release", scope="sys")

@@ -1,0 +1,173 @@
+"""Host-side launchers of :mod:`megamoe.backends.symm.kernels` (static shapes only: no host sync)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from megamoe.backends.symm.kernels import _barrier_kernel, _fused_kernel, _wait_kernel
+from megamoe.backends.symm.workspace import SymmWorkspace, debug_enabled
+from megamoe.backends.triton.configs import gemm_config, num_programs
+
+_FOREVER = 2**31 - 1
+_DEBUG_SPINS = 5_000_000  # a few seconds of polling on a GPU
+
+
+def max_spins() -> int:
+    """Polls before a wait gives up: unbounded, or in debug mode ``MEGAMOE_SYMM_WAIT_SPINS`` (default 5e6)."""
+    if not debug_enabled():
+        return _FOREVER
+    return int(os.environ.get("MEGAMOE_SYMM_WAIT_SPINS", _DEBUG_SPINS))
+
+
+def comm_programs(device: torch.device) -> int:
+    """Programs that push rows before joining the GEMM (``MEGAMOE_SYMM_COMM_PROGRAMS``, default 20).
+
+    One in the CPU interpreter: it runs programs one after another, so a second comm program would
+    start only after the first had waited for its rows.
+    """
+    if device.type != "cuda":
+        return 1
+    return int(os.environ.get("MEGAMOE_SYMM_COMM_PROGRAMS", "20"))
+
+
+def begin_op(ws: SymmWorkspace, counts_E: Tensor | None = None) -> None:
+    """Bump the epoch and barrier with every EP rank; with ``counts_E``, also publish this rank's counts."""
+    E = ws.key.num_experts
+    _barrier_kernel[(1,)](
+        ws.ptrs_dev,
+        ws.state,
+        counts_E,
+        ws.rank,
+        ws.world,
+        E,
+        ws.offsets["arrive"],
+        ws.offsets["counts"],
+        max_spins(),
+        HAS_COUNTS=counts_E is not None,
+        BLOCK_E=min(triton.next_power_of_2(max(E, 1)), 1024),
+        num_warps=4,
+    )
+
+
+def wait_flags(ws: SymmWorkspace, region: str, counter_id: int) -> None:
+    """Wait until every flag of ``region`` (``pool_ready`` or ``combine_ready``) reached this op's epoch."""
+    flags = ws.view(region).reshape(-1)
+    _wait_kernel[(1,)](flags, flags.numel(), ws.state, ws.rank, counter_id, max_spins(), num_warps=1)
+
+
+@dataclass(frozen=True, slots=True)
+class Push:
+    """Rows of a local ``[T, H]`` tensor to send, in send order, and where they land."""
+
+    src_TH: Tensor
+    send_token_S: Tensor
+    send_start_E1: Tensor
+    send_dest_row_E: Tensor
+    send_slot_S: Tensor | None = None
+    weights_TK: Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteOut:
+    """Send each output row to its source rank's combine slot (and a per-row scalar with it)."""
+
+    row_src_R: Tensor
+    row_pos_R: Tensor
+    scalar_R: Tensor | None = None
+
+
+def fused_gemm(
+    ws: SymmWorkspace,
+    *,
+    op: str,
+    a_RK: Tensor,
+    b: Tensor,
+    b_kn: bool,
+    tiles_X3: Tensor,
+    num_tiles_1: Tensor,
+    out_RN: Tensor | None = None,
+    push: Push | None = None,
+    wait: bool = False,
+    remote: RemoteOut | None = None,
+    row_scale_R: Tensor | None = None,
+) -> None:
+    """One launch of the fused kernel: optional row push, grouped GEMM ``A @ B[expert]``, local or remote out."""
+    cfg = gemm_config(op, a_RK.device)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if b_kn:
+        K, N = b.shape[1], b.shape[2]
+        b_desc = TensorDescriptor.from_tensor(b, [1, bk, bn])
+    else:
+        N, K = b.shape[1], b.shape[2]
+        b_desc = TensorDescriptor.from_tensor(b, [1, bn, bk])
+    grid = num_programs(a_RK.device)
+    off = ws.offsets
+    H = push.src_TH.shape[1] if push is not None else 0
+    _fused_kernel[(grid,)](
+        push.src_TH if push else None,
+        push.send_token_S if push else None,
+        push.send_slot_S if push else None,
+        push.weights_TK if push else None,
+        push.send_start_E1 if push else None,
+        push.send_dest_row_E if push else None,
+        a_RK,
+        b_desc,
+        out_RN,
+        row_scale_R,
+        remote.scalar_R if remote else None,
+        remote.row_src_R if remote else None,
+        remote.row_pos_R if remote else None,
+        tiles_X3,
+        num_tiles_1,
+        ws.ptrs_dev,
+        ws.state,
+        ws.view("pool_ready"),
+        ws.rank,
+        ws.world,
+        ws.num_local_experts,
+        ws.pool_rows,
+        off["pool"],
+        off["pool_weight"],
+        off["pool_ready"],
+        off["combine"],
+        off["combine_scalar"],
+        off["combine_ready"],
+        H,
+        N,
+        K,
+        a_RK.stride(0),
+        out_RN.stride(0) if out_RN is not None else 0,
+        grid,
+        min(comm_programs(a_RK.device), grid),
+        max_spins(),
+        COMM=push is not None,
+        PUSH_WEIGHT=push is not None and push.weights_TK is not None,
+        WAIT=wait,
+        OUT_REMOTE=remote is not None,
+        ROW_SCALE=row_scale_R is not None,
+        PUSH_SCALAR=remote is not None and remote.scalar_R is not None,
+        SIGNAL=remote is not None,
+        B_KN=b_kn,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=8,
+        COPY_ROWS=16,
+        COPY_COLS=512,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
+def check(ws: SymmWorkspace) -> None:
+    """Debug mode: synchronise and raise if a wait gave up."""
+    if debug_enabled():
+        if ws.state.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        ws.check()

@@ -1,0 +1,241 @@
+"""One symmetric-memory workspace per EP group: token pools, combine slots and the signal words.
+
+Legend: W EP ranks, E experts, G = E / W local experts, K top-k, H hidden, T_max tokens per rank the
+workspace holds, P pool rows = W * T_max * min(K, G) (every row that can be routed to one rank).
+
+Layout of the buffer (identical offsets on every rank, so a peer's address is its base + offset)::
+
+    arrive          i32 [W]         barrier: rank s stores its op epoch into slot s of every peer
+    pool_ready      i32 [W, G]      source s stores the epoch once its rows of local expert g landed
+    combine_ready   i32 [W]         expert rank d stores the epoch once all its rows reached us
+    counts          i32 [2, W, E]   routed-row counts, rank s writes row s (two banks: epoch parity)
+    pool            bf16 [P, H]     dispatched rows, expert-major (x forward, dy backward)
+    pool_weight     f32 [P]         the routing weight of each dispatched row
+    combine         bf16 [K*T_max, H]  expert outputs, at the source's send position of each slot
+    combine_scalar  f32 [K*T_max]   per-slot scalars back to the source (routing-weight gradients)
+
+Signals carry the op epoch, a counter every rank bumps once per op on the device. Every rank runs
+the same sequence of ops, so epochs agree; waits compare ``>= epoch`` and nothing is ever reset from
+the host (CUDA-graph replay just keeps counting). Every op starts with a barrier, so a peer never
+writes into a pool or combine slot this rank may still read (the cross-layer reuse race of the
+original). The pool holds the worst case, so rows are never dropped: its size is the cost, and
+``MEGAMOE_SYMM_MAX_TOKENS`` bounds it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megamoe.errors import MegaMoEError
+
+_ALIGN = 256
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+STATE_EPOCH, STATE_TILE, STATE_DONE, STATE_ERROR = 0, 1, 2, 3
+"""Slots of the local state vector; 4.. hold the failed wait (rank, counter id, index, seen, expected)."""
+
+
+class SymmCapacityError(MegaMoEError):
+    """A rank got more tokens than the workspace was sized for."""
+
+
+class SymmTimeoutError(MegaMoEError):
+    """A wait in a fused kernel did not finish (debug mode)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkspaceKey:
+    group_name: str
+    topk: int
+    num_experts: int
+    hidden: int
+    dtype: torch.dtype
+
+
+@dataclass(slots=True)
+class SymmWorkspace:
+    """The symmetric buffer of one EP group plus this rank's local state (epoch, counters, errors)."""
+
+    group: dist.ProcessGroup
+    key: WorkspaceKey
+    rank: int
+    world: int
+    max_tokens: int
+    pool_rows: int
+    buffer: Tensor
+    ptrs_dev: int
+    """device address of the array of every rank's buffer base (int64 each)."""
+    keepalive: tuple
+    state: Tensor
+    offsets: dict[str, int] = field(default_factory=dict)
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.key.num_experts // self.world
+
+    def view(self, name: str) -> Tensor:
+        """This rank's region ``name`` as a typed tensor."""
+        shape, dtype = self.shapes[name]
+        off = self.offsets[name]
+        nbytes = _numel(shape) * dtype.itemsize
+        return self.buffer[off : off + nbytes].view(dtype).view(shape)
+
+    def check(self) -> None:
+        """Raise if a wait timed out (debug mode); one host read, so only called in debug mode."""
+        state = self.state.tolist()
+        if state[STATE_ERROR]:
+            rank, counter, index, seen, expected = state[4:9]
+            raise SymmTimeoutError(
+                f"{_COUNTER_NAMES.get(counter, counter)}[{index}] on EP rank {rank}",
+                seen,
+                f"a wait gave up (expected >= {expected}): a peer rank is stuck, crashed, or runs a "
+                "different sequence of MegaMoE ops",
+                "All EP ranks must call the same layers in the same order; rerun with "
+                "MEGAMOE_SYMM_DEBUG=1 on every rank to see which wait",
+            )
+
+
+COUNTER_ARRIVE, COUNTER_POOL, COUNTER_COMBINE = 1, 2, 3
+_COUNTER_NAMES = {COUNTER_ARRIVE: "arrive", COUNTER_POOL: "pool_ready", COUNTER_COMBINE: "combine_ready"}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _regions(key: WorkspaceKey, world: int, max_tokens: int, pool_rows: int):
+    num_experts, hidden = key.num_experts, key.hidden
+    G = num_experts // world
+    slots = max_tokens * key.topk
+    return {
+        "arrive": ((world,), torch.int32),
+        "pool_ready": ((world, G), torch.int32),
+        "combine_ready": ((world,), torch.int32),
+        "counts": ((2, world, num_experts), torch.int32),
+        "pool": ((pool_rows, hidden), key.dtype),
+        "pool_weight": ((pool_rows,), torch.float32),
+        "combine": ((slots, hidden), key.dtype),
+        "combine_scalar": ((slots,), torch.float32),
+    }
+
+
+def debug_enabled() -> bool:
+    """``MEGAMOE_SYMM_DEBUG=1``: bounded waits and a host check after each op (slower; for hangs)."""
+    return os.environ.get("MEGAMOE_SYMM_DEBUG", "0") not in ("", "0")
+
+
+_WORKSPACES: dict[WorkspaceKey, SymmWorkspace] = {}
+
+
+def get_workspace(
+    group: dist.ProcessGroup,
+    *,
+    num_tokens: int,
+    topk: int,
+    num_experts: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> SymmWorkspace:
+    """The group's workspace, allocated on first use (a collective: every EP rank must call it).
+
+    The size bound is agreed once: ``MEGAMOE_SYMM_MAX_TOKENS`` if set, else the largest ``num_tokens``
+    over the group at the first call. A later call with more tokens raises on that rank.
+    """
+    key = WorkspaceKey(group.group_name, topk, num_experts, hidden, dtype)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = _allocate(group, key, num_tokens, device)
+        _WORKSPACES[key] = ws
+    if num_tokens > ws.max_tokens:
+        raise SymmCapacityError(
+            "tokens on this EP rank",
+            num_tokens,
+            f"the symmetric workspace holds {ws.max_tokens} tokens per rank (the largest count over the "
+            "group at its first use); rows are never dropped, so the op refuses",
+            f"Set MEGAMOE_SYMM_MAX_TOKENS>={num_tokens} on every rank",
+        )
+    return ws
+
+
+def _allocate(
+    group: dist.ProcessGroup, key: WorkspaceKey, num_tokens: int, device: torch.device
+) -> SymmWorkspace:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if key.num_experts % world:
+        raise MegaMoEError("num_experts", key.num_experts, f"does not split over {world} EP ranks")
+    env = os.environ.get("MEGAMOE_SYMM_MAX_TOKENS")
+    if env:
+        max_tokens = int(env)
+    else:
+        bound = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+        dist.all_reduce(bound, op=dist.ReduceOp.MAX, group=group)
+        max_tokens = int(bound.item())
+    max_tokens = max(max_tokens, 1)
+    pool_rows = world * max_tokens * min(key.topk, key.num_experts // world)
+    regions = _regions(key, world, max_tokens, pool_rows)
+    offsets, total = {}, 0
+    for name, (shape, dtype) in regions.items():
+        offsets[name] = total
+        total += -(-_numel(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+    if device.type == "cuda":
+        buffer, ptrs_dev, keepalive = _symmetric_cuda(group, total, device)
+    else:
+        buffer, ptrs_dev, keepalive = _shared_host(group, total)
+    return SymmWorkspace(
+        group=group,
+        key=key,
+        rank=rank,
+        world=world,
+        max_tokens=max_tokens,
+        pool_rows=pool_rows,
+        buffer=buffer,
+        ptrs_dev=ptrs_dev,
+        keepalive=keepalive,
+        state=torch.zeros(16, dtype=torch.int32, device=device),
+        offsets=offsets,
+        shapes=regions,
+    )
+
+
+def _symmetric_cuda(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> tuple[Tensor, int, tuple]:
+    """PyTorch symmetric memory (CUDA backend); peers are unicast loads and stores, multicast never used."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    buffer.zero_()
+    handle = symm_mem.rendezvous(buffer, group.group_name)
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)
+    return buffer, int(handle.buffer_ptrs_dev), (handle,)
+
+
+def _shared_host(group: dist.ProcessGroup, nbytes: int) -> tuple[Tensor, int, tuple]:
+    """The same layout in host shared memory for CPU ranks, so the kernels run under ``TRITON_INTERPRET=1``.
+
+    Each rank creates one file under /dev/shm and maps every rank's file; the files are unlinked as
+    soon as all are mapped (the mappings stay). Used by the CPU tests of the fused path.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    token = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+    paths = [os.path.join(_SHM_DIR, f"megamoe-{token[0]}-{r}") for r in range(world)]
+    mine = torch.from_file(paths[rank], shared=True, size=nbytes, dtype=torch.uint8)
+    dist.barrier(group=group)
+    maps = [
+        mine if r == rank else torch.from_file(paths[r], shared=True, size=nbytes, dtype=torch.uint8)
+        for r in range(world)
+    ]
+    dist.barrier(group=group)
+    os.unlink(paths[rank])
+    table = torch.tensor([m.data_ptr() for m in maps], dtype=torch.int64)
+    return mine, table.data_ptr(), (maps, table)
