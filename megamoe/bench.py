@@ -248,6 +248,15 @@ def _split(value: str) -> list[str]:
     help="expert GEMM precision; mxfp8 (layer mode) is timed against our own bf16 path. Until MXFP8 GPU "
     "kernels exist it runs the exact emulation, so its numbers measure that, not the format",
 )
+@click.option(
+    "--num-processes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="GPUs of this node, one process each: >1 benchmarks the fused expert-parallel path at EP=N "
+    "(megamoe.bench_ep: T_comm, T_gemm, overlap and the serial NCCL path per op; --mode layer against "
+    "NCCL all-to-all + torch._grouped_mm)",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write every result here")
 @click.option("--dry-run", is_flag=True, help="print the cases and exit without touching the GPU")
 def main(
@@ -256,6 +265,7 @@ def main(
     routings: str,
     fwd_only: bool,
     precision: str,
+    num_processes: int,
     json_path: str | None,
     dry_run: bool,
 ) -> None:
@@ -271,14 +281,22 @@ def main(
     bad = [r for r in routing_list if r not in ("uniform", "skewed")]
     if bad:
         raise click.BadParameter(f"unknown routing {bad}; use uniform and/or skewed", param_hint="--routing")
+    if num_processes > 1 and (precision != "bf16" or fwd_only):
+        raise click.BadParameter("--num-processes > 1 benchmarks bf16 forward + backward only")
     if dry_run:
         for n in names:
             click.echo(
-                f"{mode} {n} {asdict(MODELS[n])} routing={routing_list} fwd_only={fwd_only} precision={precision}"
+                f"{mode} {n} {asdict(MODELS[n])} routing={routing_list} fwd_only={fwd_only} precision={precision} "
+                f"num_processes={num_processes}"
             )
         return
     if not torch.cuda.is_available():
         raise click.ClickException("the benchmark needs a CUDA GPU (torch.cuda.is_available() is False)")
+    if num_processes > 1:
+        from megamoe import bench_ep
+
+        bench_ep.run(num_processes, mode, names, routing_list, json_path)
+        return
     results = run(mode, names, routing_list, fwd_only, precision)
     props = torch.cuda.get_device_properties(0)
     click.echo(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")

@@ -23,7 +23,7 @@ class RankFailed(AssertionError):
     pass
 
 
-def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, world: int, store_path: str, backend: str, fn: Callable, args: tuple, queue) -> None:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     import torch
     import torch.distributed as dist
@@ -31,7 +31,12 @@ def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, q
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        if backend == "nccl":  # one GPU per rank; NVLink multicast stays off (it can take a shared host down)
+            os.environ.update(
+                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1"
+            )
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         result = fn(rank, world, *args)
         dist.barrier()
         if "megatron.core.parallel_state" in sys.modules:
@@ -42,12 +47,17 @@ def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, q
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn: Callable, world: int, tmp_path: Path, *args: Any, timeout: float = 240.0) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` gloo ranks; returns the per-rank results in rank order."""
+def run_ranks(
+    fn: Callable, world: int, tmp_path: Path, *args: Any, timeout: float = 240.0, backend: str = "gloo"
+) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` ranks (gloo on CPU, or nccl with one GPU each); returns the
+    per-rank results in rank order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     store = str(tmp_path / f"store-{os.getpid()}-{id(fn)}")
-    procs = [ctx.Process(target=_worker, args=(r, world, store, fn, args, queue)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, store, backend, fn, args, queue)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+NUM_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
 HERE = Path(__file__).parent  # tests/megamoe: triton/ and symm/
 
 if not HAS_CUDA:
@@ -25,13 +26,17 @@ if not HAS_CUDA:
 _deselected: list[str] = []
 
 
+def _needs_more_gpus(item) -> bool:
+    if "multigpu" in item.keywords:
+        return NUM_GPUS < 2
+    return "gpu" in item.keywords and not HAS_CUDA
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    if HAS_CUDA:
-        return
     keep, drop = [], []
     for item in items:
         mine = HERE in Path(str(item.path)).parents
-        (drop if mine and "gpu" in item.keywords else keep).append(item)
+        (drop if mine and _needs_more_gpus(item) else keep).append(item)
     if drop:
         _deselected.extend(item.nodeid for item in drop)
         config.hook.pytest_deselected(items=drop)
@@ -41,6 +46,6 @@ def pytest_collection_modifyitems(config, items) -> None:
 def pytest_terminal_summary(terminalreporter) -> None:
     if _deselected:
         terminalreporter.write_line(
-            f"megamoe: {len(_deselected)} gpu tests deselected (no CUDA here); "
-            "run `pytest -m gpu tests/megamoe` on a GPU machine"
+            f"megamoe: {len(_deselected)} gpu tests deselected ({NUM_GPUS} CUDA GPUs here); "
+            "run `pytest -m gpu tests/megamoe` on a GPU machine (multigpu ones need 2 GPUs)"
         )

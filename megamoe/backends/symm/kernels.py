@@ -18,7 +18,8 @@ scheduled first and no waiting program can starve them)::
                                  [WAIT] acquire pool_ready[s, expert] for every source s
                                  acc = A[rows] @ B[expert]   (A rows by pointer loads)
                                  store locally, or [OUT_REMOTE] push each row to its source's combine slot
-                             [SIGNAL] the last program out releases combine_ready[me] on every rank
+                             the last program out resets the tile counter; [SIGNAL] and releases
+                             combine_ready[me] on every rank
 """
 
 from __future__ import annotations
@@ -74,11 +75,9 @@ def _barrier_kernel(
     HAS_COUNTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    """Start an op: bump the epoch, reset the tile and done counters, [publish my counts,] barrier."""
+    """Start an op: bump the epoch, [publish my counts,] barrier with every rank."""
     epoch = tl.load(state_ptr) + 1
     tl.store(state_ptr, epoch)
-    tl.store(state_ptr + _TILE, 0)
-    tl.store(state_ptr + _DONE, 0)
     bases = ptrs_dev.to(tl.pointer_type(tl.int64))
     offs = tl.arange(0, BLOCK_E)
     for r in range(world):
@@ -222,6 +221,7 @@ def _fused_kernel(
     ROW_SCALE: tl.constexpr,
     PUSH_SCALAR: tl.constexpr,
     SIGNAL: tl.constexpr,
+    SKIP_MMA: tl.constexpr,
     B_KN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -261,7 +261,7 @@ def _fused_kernel(
     num_m = tl.load(num_tiles_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
     total = num_m * num_n
-    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_tiles = 0 if SKIP_MMA else tl.cdiv(K, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     tile_id = tl.atomic_add(state_ptr + _TILE, 1)
     while tile_id < total:
@@ -310,10 +310,14 @@ def _fused_kernel(
             c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
         tile_id = tl.atomic_add(state_ptr + _TILE, 1)
-    if SIGNAL:
-        tl.debug_barrier()
-        done = tl.atomic_add(state_ptr + _DONE, 1, sem="acq_rel", scope="sys")
-        if done == num_programs - 1:
+    # the last program out resets the counters for the next launch and, with SIGNAL, tells every
+    # rank that all rows it is owed from here have landed
+    tl.debug_barrier()
+    done = tl.atomic_add(state_ptr + _DONE, 1, sem="acq_rel", scope="sys")
+    if done == num_programs - 1:
+        tl.store(state_ptr + _TILE, 0)
+        tl.store(state_ptr + _DONE, 0)
+        if SIGNAL:
             for r in range(world):
                 flag = (tl.load(bases + r) + COMB_READY_OFF).to(tl.pointer_type(tl.int32)) + rank
                 tl.atomic_xchg(flag, epoch, sem="release", scope="sys")

@@ -96,8 +96,12 @@ def fused_gemm(
     wait: bool = False,
     remote: RemoteOut | None = None,
     row_scale_R: Tensor | None = None,
+    skip_mma: bool = False,
 ) -> None:
-    """One launch of the fused kernel: optional row push, grouped GEMM ``A @ B[expert]``, local or remote out."""
+    """One launch of the fused kernel: optional row push, grouped GEMM ``A @ B[expert]``, local or remote out.
+
+    ``skip_mma`` leaves out the K loop (tiles store zeros): the benchmark's communication-only leg.
+    """
     cfg = gemm_config(op, a_RK.device)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if b_kn:
@@ -153,6 +157,7 @@ def fused_gemm(
         ROW_SCALE=row_scale_R is not None,
         PUSH_SCALAR=remote is not None and remote.scalar_R is not None,
         SIGNAL=remote is not None,
+        SKIP_MMA=skip_mma,
         B_KN=b_kn,
         BLOCK_M=bm,
         BLOCK_N=bn,

@@ -1,0 +1,423 @@
+"""Multi-GPU benchmark of the fused expert-parallel path (``python -m megamoe.bench --num-processes N``).
+
+One process per GPU of one node (NCCL for the baselines, symmetric memory for ours). Each rank runs
+a model's per-rank work (T tokens, top-K over ``N x G`` experts, G local experts) and times, per
+fused op of the expert path:
+
+* ``T_measured``  the op as the layer runs it;
+* ``T_comm``      the same op without its math (the GEMM's K loop left out; rows still move);
+* ``T_gemm``      the same op without its communication (no barrier, no push, local stores);
+* ``overlap``     ``max(T_comm, T_gemm) / T_measured`` (1.0 = the shorter leg is fully hidden);
+* ``serial``      NCCL ``all_to_all_single`` of the same rows, then the same GEMM leg, in sequence
+  (split sizes computed once outside the timing, which flatters the serial path).
+
+``--mode layer`` times ``fused_mega_moe`` forward + backward against the NCCL all-to-all +
+``torch._grouped_mm`` pipeline (the split sizes read on the host each step, as megatron's
+all-to-all dispatcher does). Every time is the median of CUDA-event-timed repeats after warm-up,
+and the slowest rank's median is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+@dataclass(slots=True)
+class StageResult:
+    model: str
+    routing: str
+    stage: str
+    comm_ms: float
+    gemm_ms: float
+    measured_ms: float
+    serial_ms: float
+
+    @property
+    def overlap(self) -> float:
+        return max(self.comm_ms, self.gemm_ms) / self.measured_ms
+
+    @property
+    def speedup(self) -> float:
+        return self.serial_ms / self.measured_ms
+
+
+@dataclass(slots=True)
+class LayerResult:
+    model: str
+    routing: str
+    impl: str
+    ms: float
+    tflops: float
+    peak_gib: float
+
+
+def time_collective(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 20) -> float:
+    """Median ms of ``fn`` over ``repeats`` event-timed calls on every rank; the slowest rank's median.
+
+    Fixed counts (not ``do_bench``'s adaptive ones) because every rank must make the same calls.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    median = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return float(median.item())
+
+
+def _peak_gib(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.tensor([(torch.cuda.max_memory_allocated() - base) / 2**30], device="cuda")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak.item())
+
+
+def baseline_ep_layer(
+    x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor, group
+) -> Tensor:
+    """NCCL all-to-all + ``torch._grouped_mm`` expert path with autograd (megatron's a2a dispatcher flow)."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    from megamoe.backends.exchange import TokenExchange
+
+    E = w1.shape[0] * dist.get_world_size(group)
+    ex = TokenExchange.build(topk_idx, num_experts=E, group=group)
+    send = x[ex.send_tokens_S]
+    recv = all_to_all_single(
+        send.new_empty(sum(ex.recv_splits), x.shape[1]), send, ex.recv_splits, ex.send_splits, group
+    )
+    rows = recv[ex.recv_perm_R]
+    offs = torch.tensor(ex.tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
+    h = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    o = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+    source_major = o.new_zeros(o.shape).index_copy(0, ex.recv_perm_R, o)
+    back = all_to_all_single(send.new_empty(send.shape), source_major, ex.send_splits, ex.recv_splits, group)
+    w = topk_weights.reshape(-1)[ex.send_slots_S].unsqueeze(1).to(back.dtype)
+    return x.new_zeros(x.shape).index_add(0, ex.send_tokens_S, back * w)
+
+
+def _inputs(shape, routing: str, world: int, rank: int):
+    from megamoe.bench import ModelShape, make_routing
+
+    torch.manual_seed(rank)
+    T, H, I, G, K = shape.tokens, shape.hidden, shape.inter, shape.experts, shape.topk
+    global_shape = ModelShape(hidden=H, inter=I, experts=G * world, topk=K, tokens=T)
+    idx, tw = make_routing(global_shape, routing, device=torch.device("cuda"), seed=rank)
+    dt = torch.bfloat16
+    x = torch.randn(T, H, device="cuda", dtype=dt)
+    w1 = torch.randn(G, 2 * I, H, device="cuda", dtype=dt) / H**0.5
+    w2 = torch.randn(G, H, I, device="cuda", dtype=dt) / I**0.5
+    return x, idx, tw, w1, w2
+
+
+def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[StageResult]:
+    """T_comm, T_gemm, T_measured and the serial time of the fused ops of ``mode``.
+
+    ``dispatch_grouped_gemm``: the ops that dispatch rows (forward stage 1, backward dy dispatch);
+    ``grouped_gemm_combine``: the ops that combine rows (forward stage 2, backward dx) and the wgrads.
+    """
+    from megamoe.backends.exchange import TokenExchange, _all_to_all
+    from megamoe.backends.symm import launch
+    from megamoe.backends.symm.backend import SymmBackend
+    from megamoe.backends.symm.layout import build_layout
+    from megamoe.backends.symm.workspace import COUNTER_COMBINE, COUNTER_POOL
+    from megamoe.backends.triton.combine import combine
+    from megamoe.backends.triton.configs import num_programs, wgrad_config
+    from megamoe.backends.triton.swiglu import swiglu_forward
+    from megamoe.backends.triton.wgrad import grouped_wgrad
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    x, idx, tw, w1, w2 = _inputs(shape, routing, world, rank)
+    E = w1.shape[0] * world
+    sb = SymmBackend()
+    plan = sb.make_plan(idx, num_experts=E, group=group)
+    h, wts = sb.stage1_forward(x, tw, w1, plan)
+    ws, lay, s = plan.ws, plan.layout, plan.send
+    P, H, I = ws.pool_rows, x.shape[1], w2.shape[2]
+    no_tiles = torch.zeros(1, dtype=torch.int32, device="cuda")
+    pool = ws.view("pool")
+    a = h.new_empty(P, I)
+    local_h = x.new_empty(P, H)
+    dh = torch.randn_like(h)
+    dy = torch.randn_like(x)
+    y = torch.empty_like(x)
+    da = h.new_empty(P, I)
+    counts = (s.expert_start_G1[1:] - s.expert_start_G1[:-1]).contiguous()
+    ex = TokenExchange.build(idx, num_experts=E, group=group)
+    send_rows = x.new_empty(int(ex.send_slots_S.numel()), H)
+    recv_rows = x.new_empty(ex.num_rows, H)
+
+    def a2a_dispatch():
+        _all_to_all(send_rows, recv_rows.shape[0], ex.recv_splits, ex.send_splits, group)
+
+    def a2a_combine():
+        _all_to_all(recv_rows, send_rows.shape[0], ex.send_splits, ex.recv_splits, group)
+
+    def gemm(op, a_rk, b, b_kn, **kw):
+        launch.fused_gemm(
+            ws, op=op, a_RK=a_rk, b=b, b_kn=b_kn, tiles_X3=lay.tiles_X3, num_tiles_1=lay.num_tiles_1, **kw
+        )
+
+    remote = launch.RemoteOut(lay.row_src_R, lay.row_pos_R)
+    remote_scalar = launch.RemoteOut(lay.row_src_R, lay.row_pos_R, wts.float())
+
+    def fwd1_full():
+        p = sb.make_plan(idx, num_experts=E, group=group)
+        sb.stage1_forward(x, tw, w1, p)
+
+    def fwd1_comm():
+        launch.begin_op(ws, counts)
+        counts_we = ws.view("counts").index_select(0, (ws.state[:1] % 2).long()).squeeze(0)
+        build_layout(
+            counts_we, rank=ws.rank, num_local_experts=ws.num_local_experts, pool_rows=P, block_m=s.block_m
+        )
+        launch.fused_gemm(
+            ws,
+            op="gemm1",
+            a_RK=pool,
+            b=w1,
+            b_kn=False,
+            tiles_X3=lay.tiles_X3,
+            num_tiles_1=no_tiles,
+            push=sb._push(plan, x, tw),
+        )
+
+    def fwd1_gemm():
+        gemm("gemm1", pool, w1, False, out_RN=h)
+
+    def fwd2_full():
+        sb.stage2_forward(h, wts, w2, plan)
+
+    def fwd2_comm():
+        launch.begin_op(ws)
+        gemm("gemm2", a, w2, False, remote=remote, skip_mma=True)
+        launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
+        combine(ws.view("combine"), s.slot_row_S, y, topk=s.topk, weights_R=None)
+
+    def fwd2_gemm():
+        swiglu_forward(h, a, lay.expert_start_G1[-1:])
+        gemm("gemm2", a, w2, False, out_RN=local_h, row_scale_R=wts.float())
+        combine(local_h, s.slot_row_S, y, topk=s.topk, weights_R=None)
+
+    def bwd2_full():
+        launch.begin_op(ws)
+        gemm("dgrad2", pool, w2, True, out_RN=da, push=sb._push(plan, dy), wait=True)
+
+    def bwd2_comm():
+        launch.begin_op(ws)
+        launch.fused_gemm(
+            ws,
+            op="dgrad2",
+            a_RK=pool,
+            b=w2,
+            b_kn=True,
+            tiles_X3=lay.tiles_X3,
+            num_tiles_1=no_tiles,
+            push=sb._push(plan, dy),
+        )
+
+    def bwd2_gemm():
+        gemm("dgrad2", pool, w2, True, out_RN=da)
+
+    def bwd1_full():
+        launch.begin_op(ws)
+        gemm("dgrad1", dh, w1, True, push=sb._push(plan, x), remote=remote_scalar)
+        launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
+        combine(ws.view("combine"), s.slot_row_S, y, topk=s.topk, weights_R=None)
+
+    def bwd1_comm():
+        launch.begin_op(ws)
+        gemm("dgrad1", dh, w1, True, push=sb._push(plan, x), remote=remote_scalar, skip_mma=True)
+        launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
+        combine(ws.view("combine"), s.slot_row_S, y, topk=s.topk, weights_R=None)
+
+    def bwd1_gemm():
+        gemm("dgrad1", dh, w1, True, out_RN=local_h)
+        combine(local_h, s.slot_row_S, y, topk=s.topk, weights_R=None)
+
+    dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+    cfg, sms = wgrad_config(x.device), num_programs(x.device)
+
+    def wgrad():
+        launch.wait_flags(ws, "pool_ready", COUNTER_POOL)
+        grouped_wgrad(dh, pool, dw1, plan.recv, config=cfg, num_sms=sms)
+        grouped_wgrad(pool, a, dw2, plan.recv, config=cfg, num_sms=sms)
+
+    dispatch_ops = [
+        ("fwd: dispatch + GEMM1", fwd1_full, fwd1_comm, fwd1_gemm, lambda: (a2a_dispatch(), fwd1_gemm())),
+        (
+            "bwd dgrad: dy dispatch + GEMM2-dgrad",
+            bwd2_full,
+            bwd2_comm,
+            bwd2_gemm,
+            lambda: (a2a_dispatch(), bwd2_gemm()),
+        ),
+    ]
+    combine_ops = [
+        ("fwd: GEMM2 + combine", fwd2_full, fwd2_comm, fwd2_gemm, lambda: (fwd2_gemm(), a2a_combine())),
+        (
+            "bwd dgrad: GEMM1-dgrad + dx combine (+ x re-dispatch)",
+            bwd1_full,
+            bwd1_comm,
+            bwd1_gemm,
+            lambda: (bwd1_gemm(), a2a_combine(), a2a_dispatch()),
+        ),
+    ]
+    results = []
+    for stage, full, comm, gemm_leg, serial in (
+        dispatch_ops if mode == "dispatch_grouped_gemm" else combine_ops
+    ):
+        t_comm, t_gemm = time_collective(comm), time_collective(gemm_leg)
+        t_full, t_serial = time_collective(full), time_collective(serial)
+        results.append(StageResult(name, routing, stage, t_comm, t_gemm, t_full, t_serial))
+    if mode == "grouped_gemm_combine":
+        t_wgrad = time_collective(wgrad)
+        results.append(
+            StageResult(name, routing, "bwd wgrad: dW1 + dW2 (local)", 0.0, t_wgrad, t_wgrad, t_wgrad)
+        )
+    return results
+
+
+def bench_layer(name: str, shape, routing: str, group) -> list[LayerResult]:
+    """``fused_mega_moe`` forward + backward against the NCCL all-to-all + ``_grouped_mm`` pipeline."""
+    from megamoe import fused_mega_moe
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    x, idx, tw, w1, w2 = _inputs(shape, routing, world, rank)
+    leaves = [t.requires_grad_() for t in (x, tw, w1, w2)]
+    dy = torch.randn_like(x)
+    impls = {
+        "megamoe (symmetric memory)": lambda: fused_mega_moe(
+            x, idx, tw, w1, w2, group=group, backend="triton"
+        ),
+        "NCCL all-to-all + torch._grouped_mm": lambda: baseline_ep_layer(x, idx, tw, w1, w2, group),
+    }
+    flops = 3 * 6 * shape.tokens * shape.topk * shape.hidden * shape.inter
+    out = []
+    for impl, forward in impls.items():
+
+        def step(forward=forward):
+            torch.autograd.backward(forward(), dy, inputs=leaves)
+
+        ms = time_collective(step)
+        out.append(LayerResult(name, routing, impl, ms, flops / (ms * 1e-3) / 1e12, _peak_gib(step)))
+        for leaf in leaves:
+            leaf.grad = None
+    return out
+
+
+def format_stages(results: list[StageResult]) -> str:
+    rows = [
+        "| model | routing | stage | T_comm ms | T_gemm ms | T_measured ms | overlap | serial ms | speed-up |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        rows.append(
+            f"| {r.model} | {r.routing} | {r.stage} | {r.comm_ms:.3f} | {r.gemm_ms:.3f} | {r.measured_ms:.3f} | "
+            f"{r.overlap:.1%} | {r.serial_ms:.3f} | {r.speedup:.2f}x |"
+        )
+    return "\n".join(rows)
+
+
+def format_layers(results: list[LayerResult]) -> str:
+    rows = [
+        "| model | routing | impl | fwd+bwd ms | TFLOP/s per GPU | peak GiB | speed-up |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    base = {(r.model, r.routing): r.ms for r in results if r.impl.startswith("NCCL")}
+    for r in results:
+        rows.append(
+            f"| {r.model} | {r.routing} | {r.impl} | {r.ms:.3f} | {r.tflops:.0f} | {r.peak_gib:.2f} | "
+            f"{base[(r.model, r.routing)] / r.ms:.2f}x |"
+        )
+    return "\n".join(rows)
+
+
+def _worker(
+    rank: int, world: int, port: int, mode: str, models: list[str], routings: list[str], out: str | None
+) -> None:
+    from megamoe.bench import MODELS
+
+    os.environ.update(_NO_MULTICAST)
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        device_id=torch.device("cuda", rank),
+    )
+    group = dist.group.WORLD
+    stages: list[StageResult] = []
+    layers: list[LayerResult] = []
+    for name in models:
+        for routing in routings:
+            if mode == "layer":
+                layers += bench_layer(name, MODELS[name], routing, group)
+            else:
+                stages += bench_stages(name, MODELS[name], routing, group, mode)
+            torch.cuda.empty_cache()
+    if rank == 0:
+        props = torch.cuda.get_device_properties(0)
+        print(
+            f"devices: {world} x {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}"
+        )
+        print(format_layers(layers) if layers else format_stages(stages), flush=True)
+        if out:
+            with open(out, "w") as f:
+                json.dump(
+                    {"stages": [asdict(r) for r in stages], "layers": [asdict(r) for r in layers]},
+                    f,
+                    indent=1,
+                )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(num_processes: int, mode: str, models: list[str], routings: list[str], json_path: str | None) -> None:
+    """Spawn one process per GPU and print the slowest rank's table (rank 0 prints)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < num_processes:
+        raise RuntimeError(
+            f"--num-processes {num_processes} needs as many GPUs; this node has {torch.cuda.device_count()}"
+        )
+    os.environ.update(_NO_MULTICAST)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(
+        _worker,
+        args=(num_processes, port, mode, models, routings, json_path),
+        nprocs=num_processes,
+        join=True,
+    )
