@@ -8,6 +8,8 @@ region is ``base[r] + offset``, loaded and stored like local memory. Signals are
 the op epoch at system scope; waits poll with acquire loads until ``>= epoch``, so nothing is reset
 between ops. A bounded wait (debug mode) records what it waited on and gives up instead of hanging.
 
+Rank-dependent integers are not specialised, so every rank runs the same compiled kernels.
+
 The fused kernel has two roles in one persistent grid (comm programs get the lowest ids, so they are
 scheduled first and no waiting program can starve them)::
 
@@ -61,7 +63,7 @@ def _spin_until(ptr, expected, state_ptr, rank, counter_id, index, max_spins):
             tl.store(state_ptr + _ERROR + 5, expected)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "world", "E"])
 def _barrier_kernel(
     ptrs_dev,
     state_ptr,
@@ -96,7 +98,7 @@ def _barrier_kernel(
         _spin_until(mine + s, epoch, state_ptr, rank, _ARRIVE, s, max_spins)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "rank"])
 def _wait_kernel(flags_ptr, n, state_ptr, rank, counter_id, max_spins):
     """Wait until every one of ``flags[0:n]`` reached this op's epoch."""
     epoch = tl.load(state_ptr)
@@ -172,7 +174,7 @@ def _push_rows(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "world", "G", "pool_rows", "H", "num_comm"])
 def _fused_kernel(
     # comm role
     src_ptr,

@@ -110,7 +110,7 @@ def fused_gemm(
     else:
         N, K = b.shape[1], b.shape[2]
         b_desc = TensorDescriptor.from_tensor(b, [1, bn, bk])
-    grid = num_programs(a_RK.device)
+    grid = ws.programs or num_programs(a_RK.device)
     off = ws.offsets
     H = push.src_TH.shape[1] if push is not None else 0
     _fused_kernel[(grid,)](
@@ -171,8 +171,11 @@ def fused_gemm(
 
 
 def check(ws: SymmWorkspace) -> None:
-    """Debug mode: synchronise and raise if a wait gave up."""
-    if debug_enabled():
-        if ws.state.is_cuda:
-            torch.cuda.current_stream().synchronize()
-        ws.check()
+    """Debug mode: synchronise and raise if a wait gave up (skipped while a CUDA graph is captured)."""
+    if not debug_enabled():
+        return
+    if ws.state.is_cuda:
+        if torch.cuda.is_current_stream_capturing():
+            return
+        torch.cuda.current_stream().synchronize()
+    ws.check()

@@ -72,6 +72,8 @@ class SymmWorkspace:
     """device address of the array of every rank's buffer base (int64 each)."""
     keepalive: tuple
     state: Tensor
+    programs: int | None = None
+    """persistent grid of the fused kernel (default: one program per SM)."""
     offsets: dict[str, int] = field(default_factory=dict)
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
 
@@ -112,20 +114,56 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _regions(key: WorkspaceKey, world: int, max_tokens: int, pool_rows: int):
-    num_experts, hidden = key.num_experts, key.hidden
-    G = num_experts // world
-    slots = max_tokens * key.topk
-    return {
-        "arrive": ((world,), torch.int32),
-        "pool_ready": ((world, G), torch.int32),
-        "combine_ready": ((world,), torch.int32),
-        "counts": ((2, world, num_experts), torch.int32),
-        "pool": ((pool_rows, hidden), key.dtype),
-        "pool_weight": ((pool_rows,), torch.float32),
-        "combine": ((slots, hidden), key.dtype),
-        "combine_scalar": ((slots,), torch.float32),
-    }
+@dataclass(frozen=True, slots=True)
+class BufferLayout:
+    """Sizes and byte offsets of the regions (the same on every rank)."""
+
+    world: int
+    max_tokens: int
+    pool_rows: int
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    offsets: dict[str, int]
+    total_bytes: int
+
+    @classmethod
+    def build(cls, key: WorkspaceKey, world: int, max_tokens: int) -> BufferLayout:
+        G = key.num_experts // world
+        pool_rows = world * max_tokens * min(key.topk, G)
+        slots = max_tokens * key.topk
+        shapes = {
+            "arrive": ((world,), torch.int32),
+            "pool_ready": ((world, G), torch.int32),
+            "combine_ready": ((world,), torch.int32),
+            "counts": ((2, world, key.num_experts), torch.int32),
+            "pool": ((pool_rows, key.hidden), key.dtype),
+            "pool_weight": ((pool_rows,), torch.float32),
+            "combine": ((slots, key.hidden), key.dtype),
+            "combine_scalar": ((slots,), torch.float32),
+        }
+        offsets, total = {}, 0
+        for name, (shape, dtype) in shapes.items():
+            offsets[name] = total
+            total += -(-_numel(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+        return cls(world, max_tokens, pool_rows, shapes, offsets, total)
+
+    def workspace(
+        self, group, key: WorkspaceKey, rank: int, buffer: Tensor, ptrs_dev: int, keepalive: tuple
+    ) -> SymmWorkspace:
+        """This rank's workspace over ``buffer`` (``total_bytes``, zeroed) whose peers ``ptrs_dev`` lists."""
+        return SymmWorkspace(
+            group=group,
+            key=key,
+            rank=rank,
+            world=self.world,
+            max_tokens=self.max_tokens,
+            pool_rows=self.pool_rows,
+            buffer=buffer,
+            ptrs_dev=ptrs_dev,
+            keepalive=keepalive,
+            state=torch.zeros(16, dtype=torch.int32, device=buffer.device),
+            offsets=self.offsets,
+            shapes=self.shapes,
+        )
 
 
 def debug_enabled() -> bool:
@@ -180,31 +218,12 @@ def _allocate(
         bound = torch.tensor([num_tokens], dtype=torch.int64, device=device)
         dist.all_reduce(bound, op=dist.ReduceOp.MAX, group=group)
         max_tokens = int(bound.item())
-    max_tokens = max(max_tokens, 1)
-    pool_rows = world * max_tokens * min(key.topk, key.num_experts // world)
-    regions = _regions(key, world, max_tokens, pool_rows)
-    offsets, total = {}, 0
-    for name, (shape, dtype) in regions.items():
-        offsets[name] = total
-        total += -(-_numel(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+    layout = BufferLayout.build(key, world, max(max_tokens, 1))
     if device.type == "cuda":
-        buffer, ptrs_dev, keepalive = _symmetric_cuda(group, total, device)
+        buffer, ptrs_dev, keepalive = _symmetric_cuda(group, layout.total_bytes, device)
     else:
-        buffer, ptrs_dev, keepalive = _shared_host(group, total)
-    return SymmWorkspace(
-        group=group,
-        key=key,
-        rank=rank,
-        world=world,
-        max_tokens=max_tokens,
-        pool_rows=pool_rows,
-        buffer=buffer,
-        ptrs_dev=ptrs_dev,
-        keepalive=keepalive,
-        state=torch.zeros(16, dtype=torch.int32, device=device),
-        offsets=offsets,
-        shapes=regions,
-    )
+        buffer, ptrs_dev, keepalive = _shared_host(group, layout.total_bytes)
+    return layout.workspace(group, key, rank, buffer, ptrs_dev, keepalive)
 
 
 def _symmetric_cuda(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> tuple[Tensor, int, tuple]:
