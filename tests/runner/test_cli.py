@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,15 @@ def _run(*args: str, env: dict[str, str] | None = None):
 def test_version() -> None:
     res = _run("--version")
     assert res.exit_code == 0 and __version__ in res.output
+
+
+def test_python_dash_m_runner_is_primus_cli() -> None:
+    """A checkout that is not pip-installed (a GPU box) runs the launcher as `python -m runner`."""
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run(
+        [sys.executable, "-m", "runner", "--version"], cwd=root, capture_output=True, text=True
+    )
+    assert res.returncode == 0 and res.stdout.strip() == f"primus-cli, version {__version__}"
 
 
 @pytest.mark.parametrize(
