@@ -1,0 +1,1 @@
+"""Benchmarks run from the checkout (not part of the installed package)."""

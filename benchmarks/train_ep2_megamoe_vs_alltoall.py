@@ -1,0 +1,408 @@
+"""End to end on one node: ``train pretrain`` with MegaMoE on, then off, in one script; one table.
+
+    python3 benchmarks/train_ep2_megamoe_vs_alltoall.py [--out DIR] [--gpus N] [--train-iters N]
+        [--timeout-s S] [--only megamoe|alltoall] [--tiny] [--dry-run] [-- trainer overrides ...]
+
+Each variant is a fresh ``primus-cli direct -- train pretrain --config <experiment>`` (run as
+``python -m runner``, so the checkout needs no pip install) with ``GPUS_PER_NODE`` ranks:
+
+* ``megamoe``:  ``--enable_primus_turbo True --use_turbo_mega_moe True`` (MegaMoE's fused expert path);
+* ``alltoall``: ``--enable_primus_turbo True --use_turbo_mega_moe False`` (megatron-core's ``MoELayer``:
+  the alltoall token dispatcher and its SequentialMLP experts; no grouped-GEMM package is installed).
+
+The default experiment is a 4-layer DeepSeek-V3 for 2 GPUs (EP=2, mock data, uniform forced routing):
+``examples/megatron/configs/H200/deepseek_v3_4layer_ep2-BF16-pretrain.yaml``. Trainer overrides after
+``--`` go to both runs (before the MegaMoE switch, which stays last). ``--tiny`` shrinks the model
+to seconds on 2 CPU ranks (gloo; MegaMoE then runs its reference backend): a check of the whole
+path before GPU time is spent.
+
+Both variants always run, each under ``--timeout-s``. The trainer's closing ``summary:`` line (mean
+step after its ``log_avg_skip_iterations`` warm-up steps, tokens/s of the job, model TFLOP/s per
+GPU, peak memory over ranks) is parsed from each run's console output, and the ``MoE block:`` line
+shows which MoE path was built. Written under ``--out`` (default ``$MEGAMOE_BENCH_OUT``, else
+``./output/bench/train_ep2_megamoe_vs_alltoall/<time>``): ``table.md`` (also printed),
+``results.json``, and per variant ``<variant>/console.log``, the launcher's node and rank logs in
+``<variant>/logs/`` and the trainer's ``training_log.jsonl`` under ``<variant>/workspace/``.
+Exit status 0 only when both runs succeeded, trained, built the expected MoE path and printed a
+summary.
+
+No value is ever evaluated by a shell: every command is an argument list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "examples/megatron/configs/H200/deepseek_v3_4layer_ep2-BF16-pretrain.yaml"
+OUT_ENV = "MEGAMOE_BENCH_OUT"
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    mega_moe: bool
+    label: str
+    moe_block: str  # what the trainer's "MoE block:" line must name
+
+    def switch_args(self) -> tuple[str, ...]:
+        return ("--enable_primus_turbo", "True", "--use_turbo_mega_moe", str(self.mega_moe))
+
+
+VARIANTS = (
+    Variant("megamoe", True, "MegaMoE (`--use_turbo_mega_moe True`)", "MegaMoE"),
+    Variant("alltoall", False, "megatron alltoall (`--use_turbo_mega_moe False`)", "megatron-core MoELayer"),
+)
+
+# The CPU smoke size: DeepSeek-V3's structure (MLA, 1 dense + 3 MoE layers, group-limited sigmoid top-k,
+# shared expert) at toy widths, fp32 (CPU matmuls), a few steps.
+TINY_ARGS = (
+    "--hidden_size", "64", "--ffn_hidden_size", "128", "--num_attention_heads", "4",
+    "--q_lora_rank", "32", "--kv_lora_rank", "16", "--qk_head_dim", "16", "--qk_pos_emb_head_dim", "8",
+    "--v_head_dim", "16", "--num_experts", "8", "--moe_ffn_hidden_size", "32",
+    "--moe_shared_expert_intermediate_size", "32", "--moe_router_topk", "2", "--moe_router_num_groups", "4",
+    "--moe_router_group_topk", "2", "--vocab_size", "128", "--make_vocab_size_divisible_by", "32",
+    "--seq_length", "64", "--max_position_embeddings", "64", "--original_max_position_embeddings", "64",
+    "--rotary_scaling_factor", "1.0", "--init_method_std", "0.02", "--bf16", "False",
+    "--train_iters", "4", "--log_avg_skip_iterations", "1",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The trainer's ``summary:`` line (``megamoe.train.loop.Summary.text``), parsed; iterations as
+    printed (``trained iterations 1..15``), numbers to the digits printed."""
+
+    first_iteration: int
+    last_iteration: int
+    first_loss: float | None
+    last_loss: float | None
+    step_ms: float | None
+    tokens_per_s: float | None
+    tflops_per_gpu: float | None
+    peak_mem_gib: float
+
+
+_NUM = r"(n/a|[-+0-9.,eEinfa]+)"
+SUMMARY_RE = re.compile(
+    rf"summary: trained iterations (\d+)\.\.(\d+) \| lm loss {_NUM} -> {_NUM} \| step {_NUM} ms \| "
+    rf"{_NUM} tokens/s \| {_NUM} TFLOP/s/GPU \| peak mem {_NUM} GiB"
+)
+MOE_BLOCK_RE = re.compile(r"MoE block: (MegaMoE|megatron-core MoELayer) \((.*)\)\s*$", re.MULTILINE)
+
+
+def _number(text: str) -> float | None:
+    return None if text == "n/a" else float(text.replace(",", ""))
+
+
+def parse_summary(text: str) -> RunSummary | None:
+    """The last ``summary: trained iterations ...`` line in ``text`` (None when there is none)."""
+    matches = SUMMARY_RE.findall(text)
+    if not matches:
+        return None
+    first, last, loss0, loss1, step, tokens, tflops, mem = matches[-1]
+    peak = _number(mem)
+    return RunSummary(
+        first_iteration=int(first),
+        last_iteration=int(last),
+        first_loss=_number(loss0),
+        last_loss=_number(loss1),
+        step_ms=_number(step),
+        tokens_per_s=_number(tokens),
+        tflops_per_gpu=_number(tflops),
+        peak_mem_gib=0.0 if peak is None else peak,
+    )
+
+
+def parse_moe_block(text: str) -> tuple[str, str] | None:
+    """``(block, reason)`` from the trainer's last ``MoE block: <block> (<reason>)`` line."""
+    matches = MOE_BLOCK_RE.findall(text)
+    return matches[-1] if matches else None
+
+
+@dataclass
+class Result:
+    variant: str
+    label: str
+    returncode: int | None = None
+    seconds: float = 0.0
+    timed_out: bool = False
+    timeout_s: float = 0.0
+    moe_block: str | None = None
+    moe_reason: str | None = None
+    summary: RunSummary | None = None
+    problems: list[str] = field(default_factory=list)
+    command: list[str] = field(default_factory=list)
+    console_log: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check(result: Result, variant: Variant) -> None:
+    """Fill ``result.problems``: failed, timed out, wrong MoE path, no summary."""
+    if result.timed_out:
+        result.problems.append(f"timed out after {result.timeout_s:.0f} s")
+    elif result.returncode != 0:
+        result.problems.append(f"exit status {result.returncode}")
+    if result.moe_block is None:
+        result.problems.append("no 'MoE block:' line (the model was not built)")
+    elif result.moe_block != variant.moe_block:
+        result.problems.append(f"built {result.moe_block!r}, expected {variant.moe_block!r}")
+    if result.summary is None:
+        result.problems.append("no 'summary: trained iterations' line")
+    elif result.summary.tokens_per_s is None:
+        result.problems.append("the summary has no timed steps")
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b is None or b == 0 else f"{a / b:.3f}x"
+
+
+def table(results: list[Result]) -> str:
+    """Markdown: one row per variant, then MegaMoE / alltoall when both have numbers."""
+    lines = [
+        "| variant | MoE block | step (ms) | tokens/s | TFLOP/s/GPU | peak mem (GiB) | lm loss first -> last | status |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        s = r.summary
+        loss = "n/a" if s is None else f"{_fmt(s.first_loss, '.4f')} -> {_fmt(s.last_loss, '.4f')}"
+        lines.append(
+            f"| {r.label} | {r.moe_block or 'n/a'} | {_fmt(s and s.step_ms, '.1f')} | "
+            f"{_fmt(s and s.tokens_per_s, ',.0f')} | {_fmt(s and s.tflops_per_gpu, '.3g')} | "
+            f"{_fmt(s and s.peak_mem_gib, '.2f')} | {loss} | {'ok' if r.ok else '; '.join(r.problems)} |"
+        )
+    by_name = {r.variant: r for r in results}
+    on, off = by_name.get("megamoe"), by_name.get("alltoall")
+    if on and off and on.summary and off.summary:
+        a, b = on.summary, off.summary
+        lines.append(
+            f"| **MegaMoE / alltoall** | | speed-up {_ratio(b.step_ms, a.step_ms)} | "
+            f"{_ratio(a.tokens_per_s, b.tokens_per_s)} | {_ratio(a.tflops_per_gpu, b.tflops_per_gpu)} | "
+            f"{_ratio(a.peak_mem_gib, b.peak_mem_gib)} | | |"
+        )
+    return "\n".join(lines)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_argv(python: str, config: Path, variant: Variant, vdir: Path, overrides: list[str]) -> list[str]:
+    """``primus-cli direct --log-dir <vdir>/logs -- train pretrain --config ... <overrides> <switch>``."""
+    return [
+        python, "-m", "runner", "direct", "--log-dir", str(vdir / "logs"), "--",
+        "train", "pretrain", "--config", str(config), "--workspace", str(vdir / "workspace"),
+        *overrides, *variant.switch_args(),
+    ]  # fmt: skip
+
+
+def launch_env(base: dict[str, str], variant: Variant, gpus: int) -> dict[str, str]:
+    env = dict(base)
+    env["GPUS_PER_NODE"] = str(gpus)
+    env["PRIMUS_JOB_ID"] = variant.name  # the node log: <vdir>/logs/<variant>-node0.log
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("MASTER_PORT", str(_free_port()))
+    return env
+
+
+def run_variant(
+    argv: list[str], env: dict[str, str], console_log: Path, timeout_s: float
+) -> tuple[int | None, bool, float]:
+    """Run one launch in its own process group, echoing and saving its output; (status, timed out, s)."""
+    started = time.monotonic()
+    timed_out = False
+    with console_log.open("w") as log:
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            errors="replace", start_new_session=True, bufsize=1,
+        )  # fmt: skip
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                log.write(line)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _terminate(proc)
+        finally:
+            if proc.poll() is None:
+                _terminate(proc)
+            reader.join(timeout=30)
+        if timed_out:
+            log.write(f"\n[bench] timed out after {timeout_s:.0f} s: stopped\n")
+    return proc.returncode, timed_out, time.monotonic() - started
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM to the launcher's process group (primus-cli forwards it to torchrun and kills after 20 s)."""
+    for sig, wait in ((signal.SIGTERM, 40), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for dist in ("torch", "triton", "megatron-core"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def _machine() -> str:
+    if shutil.which("nvidia-smi"):
+        res = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if res.returncode == 0 and res.stdout.strip():
+            names = res.stdout.strip().splitlines()
+            return f"{len(names)} x {names[0]}"
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def _commit() -> str:
+    res = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return res.stdout.strip() if res.returncode == 0 else "unknown"
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    overrides: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, overrides = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(
+        prog="train_ep2_megamoe_vs_alltoall.py",
+        description="train pretrain with MegaMoE on and off (megatron alltoall); one table.",
+    )
+    p.add_argument(
+        "--config", type=Path, default=DEFAULT_CONFIG, help="experiment YAML (default: %(default)s)"
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help=f"output folder (default: ${OUT_ENV}, else ./output/bench/...)"
+    )
+    p.add_argument("--gpus", type=int, default=2, help="ranks on this node, GPUS_PER_NODE (default: 2)")
+    p.add_argument(
+        "--train-iters", type=int, default=None, help="override train_iters (default: the experiment's)"
+    )
+    p.add_argument("--timeout-s", type=float, default=240.0, help="per variant (default: %(default)s)")
+    p.add_argument("--only", choices=[v.name for v in VARIANTS], default=None, help="run one variant")
+    p.add_argument("--tiny", action="store_true", help="toy widths, fp32, 4 steps: a CPU check of the path")
+    p.add_argument(
+        "--python", default=sys.executable, help="interpreter for the launcher (default: this one)"
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    return p.parse_args(argv), overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(sys.argv[1:] if argv is None else argv)
+    out = args.out or Path(
+        os.environ.get(OUT_ENV)
+        or ROOT / "output/bench/train_ep2_megamoe_vs_alltoall" / time.strftime("%Y%m%d-%H%M%S")
+    )
+    out = out.resolve()
+    config = args.config.resolve()
+    overrides = [*(TINY_ARGS if args.tiny else ()), *extra]
+    if args.train_iters is not None:
+        overrides += ["--train_iters", str(args.train_iters)]
+    variants = [v for v in VARIANTS if args.only in (None, v.name)]
+    results: list[Result] = []
+    for variant in variants:
+        vdir = out / variant.name
+        cmd = launch_argv(args.python, config, variant, vdir, overrides)
+        result = Result(
+            variant=variant.name, label=variant.label, command=cmd, console_log=str(vdir / "console.log"),
+            timeout_s=args.timeout_s,
+        )  # fmt: skip
+        results.append(result)
+        print(f"[bench] {variant.name}: GPUS_PER_NODE={args.gpus} {' '.join(cmd)}", flush=True)
+        if args.dry_run:
+            continue
+        vdir.mkdir(parents=True, exist_ok=True)
+        env = launch_env(dict(os.environ), variant, args.gpus)
+        result.returncode, result.timed_out, result.seconds = run_variant(
+            cmd, env, vdir / "console.log", args.timeout_s
+        )
+        text = (vdir / "console.log").read_text(errors="replace")
+        block = parse_moe_block(text)
+        result.moe_block, result.moe_reason = block if block else (None, None)
+        result.summary = parse_summary(text)
+        check(result, variant)
+        print(
+            f"[bench] {variant.name}: {'ok' if result.ok else '; '.join(result.problems)} ({result.seconds:.0f} s)",
+            flush=True,
+        )
+    if args.dry_run:
+        return 0
+
+    header = [
+        f"{_machine()}, {args.gpus} ranks, commit {_commit()}, "
+        + ", ".join(f"{k} {v}" for k, v in _versions().items()),
+        f"experiment: `{config.relative_to(ROOT) if config.is_relative_to(ROOT) else config}`"
+        + (f", overrides: `{' '.join(overrides)}`" if overrides else ""),
+        "",
+    ]
+    text = "\n".join([*header, table(results), ""])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(text)
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "config": str(config),
+                "overrides": overrides,
+                "gpus": args.gpus,
+                "machine": _machine(),
+                "commit": _commit(),
+                "versions": _versions(),
+                "results": [{**asdict(r), "ok": r.ok} for r in results],
+            },
+            indent=2,
+        )
+    )
+    print("\n" + text)
+    print(f"[bench] written: {out / 'table.md'}, {out / 'results.json'}, logs under {out}/<variant>/")
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
