@@ -19,10 +19,14 @@ _DEBUG_SPINS = 5_000_000  # a few seconds of polling on a GPU
 
 
 def max_spins() -> int:
-    """Polls before a wait gives up: unbounded, or in debug mode ``MEGAMOE_SYMM_WAIT_SPINS`` (default 5e6)."""
-    if not debug_enabled():
-        return _FOREVER
-    return int(os.environ.get("MEGAMOE_SYMM_WAIT_SPINS", _DEBUG_SPINS))
+    """Polls before a wait gives up: ``MEGAMOE_SYMM_WAIT_SPINS`` if set, else 5e6 in debug mode, else unbounded.
+
+    A wait that gives up records itself in the workspace state (see :meth:`SymmWorkspace.check`).
+    """
+    env = os.environ.get("MEGAMOE_SYMM_WAIT_SPINS")
+    if env:
+        return int(env)
+    return _DEBUG_SPINS if debug_enabled() else _FOREVER
 
 
 def comm_programs(device: torch.device) -> int:

@@ -13,6 +13,8 @@ Two checks that need a GPU but not two:
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -94,7 +96,9 @@ def test_one_rank_group_drives_the_fused_path_and_captures(tmp_path) -> None:
     run_ranks(_one_rank, 1, tmp_path, backend="nccl", timeout=300)
 
 
-def _ranks_on_one_gpu(world: int, *, topk: int, num_experts: int, hidden: int, max_tokens: int) -> list:
+def _ranks_on_one_gpu(
+    world: int, *, topk: int, num_experts: int, hidden: int, max_tokens: int, name: str = "one-gpu"
+) -> list:
     """``world`` EP ranks in this process on one GPU: one workspace each over plain device buffers,
     each rank's ops on its own stream, the fused kernel's grid split between them so that all spinning
     programs are resident at once. Returns the stand-in groups the backend finds the workspaces by."""
@@ -109,7 +113,7 @@ def _ranks_on_one_gpu(world: int, *, topk: int, num_experts: int, hidden: int, m
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     groups = []
     for rank in range(world):
-        group = SimpleNamespace(group_name=f"one-gpu-rank-{rank}", stream=torch.cuda.Stream())
+        group = SimpleNamespace(group_name=f"{name}-rank-{rank}", stream=torch.cuda.Stream())
         key = key_of(group.group_name)
         ws = layout.workspace(group, key, rank, buffers[rank], table.data_ptr(), (buffers, table))
         ws.programs = sms // world - 2
@@ -120,11 +124,20 @@ def _ranks_on_one_gpu(world: int, *, topk: int, num_experts: int, hidden: int, m
 
 def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...]) -> list[str]:
     """``len(tokens)`` ranks on one GPU, ``layers`` layers forward then backward, new routing each."""
+    from megamoe.backends.symm import workspace as wsm
     from megamoe.backends.symm.backend import SymmBackend
     from megamoe.ops import MegaMoEHandle, _DispatchGroupedGemm, _GroupedGemmCombine
 
     W, H, I, E, K = len(tokens), 512, 256, 8, 4
     G = E // W
+    # compile every kernel first: no compile (nor anything else on the host) may stand between two
+    # ranks' launches while one of them spins on the GPU
+    warm = _ranks_on_one_gpu(1, topk=K, num_experts=E, hidden=H, max_tokens=max(tokens), name="warm-up")
+    with torch.cuda.stream(warm[0].stream):
+        x, idx, tw, w1, w2, dy = _inputs(64, H, I, E, K, E, seed=0)
+        _symm_step(x, idx, tw, w1, w2, dy, warm[0])
+    torch.cuda.synchronize()
+    os.environ["MEGAMOE_SYMM_WAIT_SPINS"] = "20000000"  # a stuck wait gives up (recorded) rather than hangs
     groups = _ranks_on_one_gpu(W, topk=K, num_experts=E, hidden=H, max_tokens=max(tokens))
     backend = SymmBackend()
     failures = []
@@ -149,6 +162,12 @@ def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...])
             with torch.cuda.stream(group.stream):
                 grads.append((y, *torch.autograd.grad(y, leaves, dy)))
         torch.cuda.synchronize()
+        for group in groups:
+            ws = wsm._WORKSPACES[wsm.WorkspaceKey(group.group_name, K, E, H, torch.bfloat16)]
+            if int(ws.state[3]):
+                return [
+                    f"layer {layer}: a wait gave up: {ws.state.tolist()} (rank, counter, index, seen, expected at 4:9)"
+                ]
         refs = [_reference(*(t.cpu() for t in (c[0], c[1], c[2], w1, w2, c[5]))) for c in cases]
         for r in range(W):
             for name in ("y", "dx", "d_topk_weights"):
@@ -170,5 +189,6 @@ def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...])
 )
 def test_two_ranks_on_one_gpu_match_the_reference(tmp_path, layers, tokens) -> None:
     """The cross-rank protocol on real GPU memory: two ranks' kernels run concurrently on one GPU."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # each rank's stream on its own hardware queue
     (failures,) = run_ranks(_emulated_ranks, 1, tmp_path, layers, tokens, backend="nccl", timeout=300)
     assert not failures, failures
