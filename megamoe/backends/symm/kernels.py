@@ -8,7 +8,8 @@ region is ``base[r] + offset``, loaded and stored like local memory. Signals are
 the op epoch at system scope; waits poll with acquire loads until ``>= epoch``, so nothing is reset
 between ops. A bounded wait (debug mode) records what it waited on and gives up instead of hanging.
 
-Rank-dependent integers are not specialised, so every rank runs the same compiled kernels.
+Rank-dependent integers and the wait bound are not specialised, so every rank runs the same
+compiled kernels and no setting recompiles them mid-run.
 
 The fused kernel has two roles in one persistent grid (comm programs get the lowest ids, so they are
 scheduled first and no waiting program can starve them)::
@@ -63,7 +64,7 @@ def _spin_until(ptr, expected, state_ptr, rank, counter_id, index, max_spins):
             tl.store(state_ptr + _ERROR + 5, expected)
 
 
-@triton.jit(do_not_specialize=["rank", "world", "E"])
+@triton.jit(do_not_specialize=["rank", "world", "E", "max_spins"])
 def _barrier_kernel(
     ptrs_dev,
     state_ptr,
@@ -98,7 +99,7 @@ def _barrier_kernel(
         _spin_until(mine + s, epoch, state_ptr, rank, _ARRIVE, s, max_spins)
 
 
-@triton.jit(do_not_specialize=["n", "rank"])
+@triton.jit(do_not_specialize=["n", "rank", "max_spins"])
 def _wait_kernel(flags_ptr, n, state_ptr, rank, counter_id, max_spins):
     """Wait until every one of ``flags[0:n]`` reached this op's epoch."""
     epoch = tl.load(state_ptr)
@@ -174,7 +175,9 @@ def _push_rows(
         )
 
 
-@triton.jit(do_not_specialize=["rank", "world", "G", "pool_rows", "H", "num_comm"])
+@triton.jit(
+    do_not_specialize=["rank", "world", "G", "pool_rows", "H", "num_programs", "num_comm", "max_spins"]
+)
 def _fused_kernel(
     # comm role
     src_ptr,

@@ -130,14 +130,14 @@ def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...])
 
     W, H, I, E, K = len(tokens), 512, 256, 8, 4
     G = E // W
-    # compile every kernel first: no compile (nor anything else on the host) may stand between two
-    # ranks' launches while one of them spins on the GPU
+    # compile and load every kernel first: loading a module waits for the GPU, so it must not happen
+    # between two ranks' launches while one of them spins there
+    os.environ["MEGAMOE_SYMM_WAIT_SPINS"] = "20000000"  # a stuck wait gives up (recorded) rather than hangs
     warm = _ranks_on_one_gpu(1, topk=K, num_experts=E, hidden=H, max_tokens=max(tokens), name="warm-up")
     with torch.cuda.stream(warm[0].stream):
         x, idx, tw, w1, w2, dy = _inputs(64, H, I, E, K, E, seed=0)
         _symm_step(x, idx, tw, w1, w2, dy, warm[0])
     torch.cuda.synchronize()
-    os.environ["MEGAMOE_SYMM_WAIT_SPINS"] = "20000000"  # a stuck wait gives up (recorded) rather than hangs
     groups = _ranks_on_one_gpu(W, topk=K, num_experts=E, hidden=H, max_tokens=max(tokens))
     backend = SymmBackend()
     failures = []
