@@ -135,8 +135,8 @@ def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...])
     os.environ["MEGAMOE_SYMM_WAIT_SPINS"] = "20000000"  # a stuck wait gives up (recorded) rather than hangs
     warm = _ranks_on_one_gpu(1, topk=K, num_experts=E, hidden=H, max_tokens=max(tokens), name="warm-up")
     with torch.cuda.stream(warm[0].stream):
-        x, idx, tw, w1, w2, dy = _inputs(64, H, I, E, K, E, seed=0)
-        _symm_step(x, idx, tw, w1, w2, dy, warm[0])
+        for T in sorted(set(tokens)):  # the same sizes, so that no kernel specialises differently later
+            _symm_step(*_inputs(T, H, I, E, K, E, seed=0), warm[0])
     torch.cuda.synchronize()
     groups = _ranks_on_one_gpu(W, topk=K, num_experts=E, hidden=H, max_tokens=max(tokens))
     backend = SymmBackend()
