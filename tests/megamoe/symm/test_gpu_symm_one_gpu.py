@@ -190,5 +190,8 @@ def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...])
 def test_two_ranks_on_one_gpu_match_the_reference(tmp_path, layers, tokens) -> None:
     """The cross-rank protocol on real GPU memory: two ranks' kernels run concurrently on one GPU."""
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # each rank's stream on its own hardware queue
+    # a kernel loaded lazily on first launch waits for the whole GPU, so with both ranks in one
+    # context the first new kernel of rank 1 would wait for rank 0's spinning barrier: load all upfront
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
     (failures,) = run_ranks(_emulated_ranks, 1, tmp_path, layers, tokens, backend="nccl", timeout=300)
     assert not failures, failures
