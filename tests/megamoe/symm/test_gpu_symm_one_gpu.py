@@ -162,12 +162,12 @@ def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...])
             with torch.cuda.stream(group.stream):
                 grads.append((y, *torch.autograd.grad(y, leaves, dy)))
         torch.cuda.synchronize()
-        for group in groups:
-            ws = wsm._WORKSPACES[wsm.WorkspaceKey(group.group_name, K, E, H, torch.bfloat16)]
-            if int(ws.state[3]):
-                return [
-                    f"layer {layer}: a wait gave up: {ws.state.tolist()} (rank, counter, index, seen, expected at 4:9)"
-                ]
+        states = [
+            wsm._WORKSPACES[wsm.WorkspaceKey(g.group_name, K, E, H, torch.bfloat16)].state for g in groups
+        ]
+        if any(int(st[3]) for st in states):
+            head = f"layer {layer}: a wait gave up; per rank (epoch, tile, done, error, rank, counter, index, seen, expected):"
+            return [head] + [str(st[:9].tolist()) for st in states]
         refs = [_reference(*(t.cpu() for t in (c[0], c[1], c[2], w1, w2, c[5]))) for c in cases]
         for r in range(W):
             for name in ("y", "dx", "d_topk_weights"):
