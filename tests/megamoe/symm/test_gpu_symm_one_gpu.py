@@ -133,7 +133,8 @@ def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...])
     # compile and load every kernel first: loading a module waits for the GPU, so it must not happen
     # between two ranks' launches while one of them spins there
     os.environ["MEGAMOE_SYMM_WAIT_SPINS"] = "20000000"  # a stuck wait gives up (recorded) rather than hangs
-    warm = _ranks_on_one_gpu(1, topk=K, num_experts=E, hidden=H, max_tokens=max(tokens), name="warm-up")
+    # one rank with the pool of W ranks: every row count the kernels see is the same as below
+    warm = _ranks_on_one_gpu(1, topk=K, num_experts=E, hidden=H, max_tokens=W * max(tokens), name="warm-up")
     with torch.cuda.stream(warm[0].stream):
         for T in sorted(set(tokens)):  # the same sizes, so that no kernel specialises differently later
             _symm_step(*_inputs(T, H, I, E, K, E, seed=0), warm[0])
