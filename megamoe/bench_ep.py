@@ -142,6 +142,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
 
     ``dispatch_grouped_gemm``: the ops that dispatch rows (forward stage 1, backward dy dispatch);
     ``grouped_gemm_combine``: the ops that combine rows (forward stage 2, backward dx) and the wgrads.
+    Every op that moves rows to the experts is timed with push and with pull dispatch.
     """
     from megamoe.backends.exchange import TokenExchange, _all_to_all
     from megamoe.backends.symm import launch
@@ -193,6 +194,8 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
         sb.stage1_forward(x, tw, w1, p)
 
     def fwd1_comm():
+        if launch.dispatch_mode() == "pull":
+            launch.stage_for_pull(ws, x, s.row_token_R, s.row_slot_R, tw)
         launch.begin_op(ws, counts)
         counts_we = ws.view("counts").index_select(0, (ws.state[:1] % 2).long()).squeeze(0)
         build_layout(
@@ -206,7 +209,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
             b_kn=False,
             tiles_X3=lay.tiles_X3,
             num_tiles_1=no_tiles,
-            push=sb._push(plan, x, tw),
+            push=sb._dispatch(plan, x, tw),
         )
 
     def fwd1_gemm():
@@ -227,11 +230,13 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
         combine(local_h, s.slot_row_S, y, topk=s.topk, weights_R=None)
 
     def bwd2_full():
-        launch.begin_op(ws)
-        gemm("dgrad2", pool, w2, True, out_RN=da, push=sb._push(plan, dy), wait=True)
+        d = sb._dispatch(plan, dy)
+        sb._begin(plan, d)
+        gemm("dgrad2", pool, w2, True, out_RN=da, push=d, wait=True)
 
     def bwd2_comm():
-        launch.begin_op(ws)
+        d = sb._dispatch(plan, dy)
+        sb._begin(plan, d)
         launch.fused_gemm(
             ws,
             op="dgrad2",
@@ -240,21 +245,23 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
             b_kn=True,
             tiles_X3=lay.tiles_X3,
             num_tiles_1=no_tiles,
-            push=sb._push(plan, dy),
+            push=d,
         )
 
     def bwd2_gemm():
         gemm("dgrad2", pool, w2, True, out_RN=da)
 
     def bwd1_full():
-        launch.begin_op(ws)
-        gemm("dgrad1", dh, w1, True, push=sb._push(plan, x), remote=remote_scalar)
+        d = sb._dispatch(plan, x)
+        sb._begin(plan, d)
+        gemm("dgrad1", dh, w1, True, push=d, remote=remote_scalar)
         launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
         combine(ws.view("combine"), s.slot_row_S, y, topk=s.topk, weights_R=None)
 
     def bwd1_comm():
-        launch.begin_op(ws)
-        gemm("dgrad1", dh, w1, True, push=sb._push(plan, x), remote=remote_scalar, skip_mma=True)
+        d = sb._dispatch(plan, x)
+        sb._begin(plan, d)
+        gemm("dgrad1", dh, w1, True, push=d, remote=remote_scalar, skip_mma=True)
         launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
         combine(ws.view("combine"), s.slot_row_S, y, topk=s.topk, weights_R=None)
 
@@ -291,12 +298,20 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
         ),
     ]
     results = []
-    for stage, full, comm, gemm_leg, serial in (
-        dispatch_ops if mode == "dispatch_grouped_gemm" else combine_ops
-    ):
-        t_comm, t_gemm = time_collective(comm), time_collective(gemm_leg)
-        t_full, t_serial = time_collective(full), time_collective(serial)
-        results.append(StageResult(name, routing, stage, t_comm, t_gemm, t_full, t_serial))
+    ops = dispatch_ops if mode == "dispatch_grouped_gemm" else combine_ops
+    for dispatch in launch.DISPATCH_MODES:  # every op that moves rows to the experts, both ways
+        os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
+        for stage, full, comm, gemm_leg, serial in ops:
+            if "dispatch" not in stage:
+                if dispatch == "pull":
+                    continue
+                label = stage
+            else:
+                label = f"{stage} [{dispatch}]"
+            t_comm, t_gemm = time_collective(comm), time_collective(gemm_leg)
+            t_full, t_serial = time_collective(full), time_collective(serial)
+            results.append(StageResult(name, routing, label, t_comm, t_gemm, t_full, t_serial))
+    del os.environ["MEGAMOE_SYMM_DISPATCH"]
     if mode == "grouped_gemm_combine":
         t_wgrad = time_collective(wgrad)
         results.append(

@@ -3,7 +3,9 @@
 Legend: T tokens, H hidden, I intermediate, E experts, G local experts, K top-k, P pool rows (the
 static row count of every per-row tensor on the expert side; rows past ``expert_start[G]`` are padding).
 
-Each op starts with :func:`~.launch.begin_op` (epoch + barrier), then::
+Each op starts with :func:`~.launch.begin_op` (epoch + barrier), then (push mode; in pull mode,
+``MEGAMOE_SYMM_DISPATCH=pull``, each rank stages its rows before the barrier and the destination's
+comm programs read them)::
 
     stage 1 fwd   [exchange counts] -> layout -> push x rows + weights | GEMM1 tiles wait per expert -> h
     stage 2 fwd   SwiGLU -> GEMM2 * weight, rows pushed to their source's combine slots -> wait -> sum over K
@@ -65,17 +67,20 @@ class SymmBackend:
         send = build_routing_plan(topk_idx_TK, num_experts=num_experts, block_m=block_m(topk_idx_TK.device))
         return SymmPlan(group=group, num_experts=num_experts, send=send)
 
-    def _exchange(self, plan: SymmPlan, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+    def _exchange(self, plan: SymmPlan, x_TH: Tensor, weights_TK: Tensor) -> None:
+        """Stage 1's op start: the workspace, [pull: staging,] the count exchange with the barrier, the layout."""
         s = plan.send
         ws = get_workspace(
             plan.group,
             num_tokens=s.num_tokens,
             topk=s.topk,
             num_experts=plan.num_experts,
-            hidden=hidden,
-            dtype=dtype,
-            device=device,
+            hidden=x_TH.shape[1],
+            dtype=x_TH.dtype,
+            device=x_TH.device,
         )
+        if launch.dispatch_mode() == "pull":
+            launch.stage_for_pull(ws, x_TH, s.row_token_R, s.row_slot_R, weights_TK)
         launch.begin_op(ws, _counts(s))
         counts = ws.view("counts").index_select(0, (ws.state[:1] % 2).long()).squeeze(0)
         layout = build_layout(
@@ -86,9 +91,8 @@ class SymmBackend:
             block_m=s.block_m,
         )
         plan.ws, plan.layout = ws, layout
-        P = ws.pool_rows
         plan.recv = RoutingPlan(
-            num_tokens=P,
+            num_tokens=ws.pool_rows,
             topk=1,
             num_experts=ws.num_local_experts,
             block_m=s.block_m,
@@ -100,16 +104,26 @@ class SymmBackend:
             num_tiles_1=layout.num_tiles_1,
         )
 
-    def _push(self, plan: SymmPlan, src_TH: Tensor, weights_TK: Tensor | None = None) -> launch.Push:
+    def _dispatch(self, plan: SymmPlan, src_TH: Tensor, weights_TK: Tensor | None = None) -> launch.Dispatch:
         s, lay = plan.send, plan.layout
-        return launch.Push(
+        return launch.Dispatch(
             src_TH=src_TH,
             send_token_S=s.row_token_R,
             send_start_E1=s.expert_start_G1,
             send_dest_row_E=lay.send_dest_row_E,
+            seg_start_GW=lay.seg_start_GW,
+            seg_len_GW=lay.seg_len_GW,
+            seg_pos_GW=lay.seg_pos_GW,
             send_slot_S=s.row_slot_R if weights_TK is not None else None,
             weights_TK=weights_TK,
+            pull=launch.dispatch_mode() == "pull",
         )
+
+    def _begin(self, plan: SymmPlan, dispatch: launch.Dispatch | None = None) -> None:
+        """Start an op that is not stage 1's forward; in pull mode first stage the rows peers will read."""
+        if dispatch is not None and dispatch.pull:
+            launch.stage_for_pull(plan.ws, dispatch.src_TH, dispatch.send_token_S)
+        launch.begin_op(plan.ws)
 
     def _valid_rows(self, plan: SymmPlan) -> Tensor:
         rows = torch.arange(plan.ws.pool_rows, device=plan.layout.expert_start_G1.device, dtype=torch.int32)
@@ -118,8 +132,8 @@ class SymmBackend:
     def stage1_forward(
         self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: SymmPlan
     ) -> tuple[Tensor, Tensor]:
-        x = x_TH.contiguous()
-        self._exchange(plan, x.shape[1], x.dtype, x.device)
+        x, weights_TK = x_TH.contiguous(), topk_weights_TK.contiguous()
+        self._exchange(plan, x, weights_TK)
         ws, lay = plan.ws, plan.layout
         h = x.new_empty(ws.pool_rows, w1_G2IH.shape[1])
         launch.fused_gemm(
@@ -131,7 +145,7 @@ class SymmBackend:
             tiles_X3=lay.tiles_X3,
             num_tiles_1=lay.num_tiles_1,
             out_RN=h,
-            push=self._push(plan, x, topk_weights_TK.contiguous()),
+            push=self._dispatch(plan, x, weights_TK),
             wait=True,
         )
         weights = ws.view("pool_weight").to(topk_weights_TK.dtype)
@@ -143,7 +157,7 @@ class SymmBackend:
         self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: SymmPlan
     ) -> Tensor:
         ws, lay, s = plan.ws, plan.layout, plan.send
-        launch.begin_op(ws)
+        self._begin(plan)
         a = h_R2I.new_empty(h_R2I.shape[0], w2_GHI.shape[2])
         swiglu_forward(h_R2I, a, lay.expert_start_G1[-1:])
         launch.fused_gemm(
@@ -174,7 +188,8 @@ class SymmBackend:
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         need_dh, need_dweights, need_dw2 = needs_grad
         ws, lay = plan.ws, plan.layout
-        launch.begin_op(ws)
+        dispatch = self._dispatch(plan, dy_TH.to(h_R2I.dtype).contiguous())
+        self._begin(plan, dispatch)
         inter = w2_GHI.shape[2]
         P = h_R2I.shape[0]
         dy_pool = ws.view("pool")
@@ -189,7 +204,7 @@ class SymmBackend:
             tiles_X3=lay.tiles_X3,
             num_tiles_1=lay.num_tiles_1,
             out_RN=da,
-            push=self._push(plan, dy_TH.to(h_R2I.dtype).contiguous()),
+            push=dispatch,
             wait=True,
         )
         dh = h_R2I.new_empty(P, 2 * inter)
@@ -221,8 +236,9 @@ class SymmBackend:
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         need_dx, need_dweights, need_dw1 = needs_grad
         ws, lay, s = plan.ws, plan.layout, plan.send
-        launch.begin_op(ws)
         x = x_TH.contiguous()
+        dispatch = self._dispatch(plan, x)
+        self._begin(plan, dispatch)
         w1 = w1_G2IH.contiguous()
         launch.fused_gemm(
             ws,
@@ -232,7 +248,7 @@ class SymmBackend:
             b_kn=True,
             tiles_X3=lay.tiles_X3,
             num_tiles_1=lay.num_tiles_1,
-            push=self._push(plan, x),
+            push=dispatch,
             remote=launch.RemoteOut(
                 lay.row_src_R, lay.row_pos_R, grad_dispatch_weights_R.float().contiguous()
             ),

@@ -16,6 +16,8 @@ scheduled first and no waiting program can starve them)::
 
     programs [0, num_comm):  for each (expert g, destination d), g-major so early experts land first:
                                  push my rows of expert d*G+g into d's pool; release pool_ready[me, g] on d
+                             (pull mode: for each (my expert g, source s), copy s's staged rows of g
+                             into my pool; release my pool_ready[s, g])
                              then join the GEMM role
     every program:           for tile in a device tile counter (early experts first):
                                  [WAIT] acquire pool_ready[s, expert] for every source s
@@ -175,8 +177,85 @@ def _push_rows(
         )
 
 
+@triton.jit
+def _pull_rows(
+    pid,
+    num_comm,
+    epoch,
+    bases,
+    rank,
+    world,
+    G,
+    pool_rows,
+    seg_start_ptr,
+    seg_len_ptr,
+    seg_pos_ptr,
+    H,
+    stage_rows,
+    stage_slots,
+    POOL_OFF,
+    POOL_W_OFF,
+    POOL_READY_OFF,
+    STAGE_X_OFF,
+    STAGE_TOK_OFF,
+    STAGE_W_OFF,
+    DTYPE: tl.constexpr,
+    PUSH_WEIGHT: tl.constexpr,
+    COPY_ROWS: tl.constexpr,
+    COPY_COLS: tl.constexpr,
+):
+    """Comm role, pull mode: copy every source's rows of my experts from its staging area into my pool."""
+    rows = tl.arange(0, COPY_ROWS)
+    cols = tl.arange(0, COPY_COLS)
+    mine = tl.load(bases + rank)
+    pool = (mine + POOL_OFF).to(tl.pointer_type(DTYPE))
+    bank = epoch % 2
+    for task in range(pid, world * G, num_comm):
+        g = task // world
+        s = (rank + task) % world
+        seg0 = tl.load(seg_start_ptr + g * world + s)
+        n = tl.load(seg_len_ptr + g * world + s)
+        pos0 = tl.load(seg_pos_ptr + g * world + s)
+        base = tl.load(bases + s)
+        stage_x = (base + STAGE_X_OFF).to(tl.pointer_type(DTYPE)) + bank.to(tl.int64) * stage_rows * H
+        stage_tok = (base + STAGE_TOK_OFF).to(tl.pointer_type(tl.int32)) + bank * stage_slots
+        for j0 in range(0, n, COPY_ROWS):
+            j = j0 + rows
+            dest = seg0 + j
+            ok = (j < n) & (dest < pool_rows)
+            token = tl.load(stage_tok + pos0 + j, mask=ok, other=0).to(tl.int64)
+            dest64 = dest.to(tl.int64)
+            for c0 in range(0, H, COPY_COLS):
+                c = c0 + cols
+                mask = ok[:, None] & (c < H)[None, :]
+                v = tl.load(stage_x + token[:, None] * H + c[None, :], mask=mask)
+                tl.store(pool + dest64[:, None] * H + c[None, :], v, mask=mask)
+            if PUSH_WEIGHT:
+                stage_w = (base + STAGE_W_OFF).to(tl.pointer_type(tl.float32)) + bank * stage_slots
+                w = tl.load(stage_w + pos0 + j, mask=ok, other=0.0)
+                tl.store((mine + POOL_W_OFF).to(tl.pointer_type(tl.float32)) + dest64, w, mask=ok)
+        tl.debug_barrier()
+        tl.atomic_xchg(
+            (mine + POOL_READY_OFF).to(tl.pointer_type(tl.int32)) + s * G + g,
+            epoch,
+            sem="release",
+            scope="sys",
+        )
+
+
 @triton.jit(
-    do_not_specialize=["rank", "world", "G", "pool_rows", "H", "num_programs", "num_comm", "max_spins"]
+    do_not_specialize=[
+        "rank",
+        "world",
+        "G",
+        "pool_rows",
+        "H",
+        "stage_rows",
+        "stage_slots",
+        "num_programs",
+        "num_comm",
+        "max_spins",
+    ]
 )
 def _fused_kernel(
     # comm role
@@ -186,6 +265,9 @@ def _fused_kernel(
     send_weight_ptr,
     send_start_ptr,
     send_dest_row_ptr,
+    seg_start_ptr,
+    seg_len_ptr,
+    seg_pos_ptr,
     # GEMM role
     a_ptr,
     b_desc,
@@ -210,8 +292,13 @@ def _fused_kernel(
     COMB_OFF,
     COMB_SCALAR_OFF,
     COMB_READY_OFF,
+    STAGE_X_OFF,
+    STAGE_TOK_OFF,
+    STAGE_W_OFF,
     # sizes
     H,
+    stage_rows,
+    stage_slots,
     N,
     K,
     stride_a,
@@ -220,6 +307,7 @@ def _fused_kernel(
     num_comm,
     max_spins,
     COMM: tl.constexpr,
+    PULL: tl.constexpr,
     PUSH_WEIGHT: tl.constexpr,
     WAIT: tl.constexpr,
     OUT_REMOTE: tl.constexpr,
@@ -240,29 +328,57 @@ def _fused_kernel(
     bases = ptrs_dev.to(tl.pointer_type(tl.int64))
     if COMM:  # noqa: SIM102 (compile-time branch: the runtime test must not join it)
         if pid < num_comm:
-            _push_rows(
-                pid,
-                num_comm,
-                epoch,
-                bases,
-                rank,
-                world,
-                G,
-                pool_rows,
-                src_ptr,
-                send_token_ptr,
-                send_slot_ptr,
-                send_weight_ptr,
-                send_start_ptr,
-                send_dest_row_ptr,
-                H,
-                POOL_OFF,
-                POOL_W_OFF,
-                POOL_READY_OFF,
-                PUSH_WEIGHT,
-                COPY_ROWS,
-                COPY_COLS,
-            )
+            if PULL:
+                _pull_rows(
+                    pid,
+                    num_comm,
+                    epoch,
+                    bases,
+                    rank,
+                    world,
+                    G,
+                    pool_rows,
+                    seg_start_ptr,
+                    seg_len_ptr,
+                    seg_pos_ptr,
+                    H,
+                    stage_rows,
+                    stage_slots,
+                    POOL_OFF,
+                    POOL_W_OFF,
+                    POOL_READY_OFF,
+                    STAGE_X_OFF,
+                    STAGE_TOK_OFF,
+                    STAGE_W_OFF,
+                    src_ptr.dtype.element_ty,
+                    PUSH_WEIGHT,
+                    COPY_ROWS,
+                    COPY_COLS,
+                )
+            else:
+                _push_rows(
+                    pid,
+                    num_comm,
+                    epoch,
+                    bases,
+                    rank,
+                    world,
+                    G,
+                    pool_rows,
+                    src_ptr,
+                    send_token_ptr,
+                    send_slot_ptr,
+                    send_weight_ptr,
+                    send_start_ptr,
+                    send_dest_row_ptr,
+                    H,
+                    POOL_OFF,
+                    POOL_W_OFF,
+                    POOL_READY_OFF,
+                    PUSH_WEIGHT,
+                    COPY_ROWS,
+                    COPY_COLS,
+                )
     num_m = tl.load(num_tiles_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
     total = num_m * num_n

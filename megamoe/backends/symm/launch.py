@@ -65,16 +65,56 @@ def wait_flags(ws: SymmWorkspace, region: str, counter_id: int) -> None:
     _wait_kernel[(1,)](flags, flags.numel(), ws.state, ws.rank, counter_id, max_spins(), num_warps=1)
 
 
+DISPATCH_MODES = ("push", "pull")
+
+
+def dispatch_mode() -> str:
+    """``MEGAMOE_SYMM_DISPATCH``: ``push`` (default: sources write into the destinations' pools) or ``pull``
+    (sources stage their rows locally, destinations read them)."""
+    mode = os.environ.get("MEGAMOE_SYMM_DISPATCH", "push")
+    if mode not in DISPATCH_MODES:
+        raise ValueError(f"MEGAMOE_SYMM_DISPATCH={mode!r}: use one of {', '.join(DISPATCH_MODES)}")
+    return mode
+
+
 @dataclass(frozen=True, slots=True)
-class Push:
-    """Rows of a local ``[T, H]`` tensor to send, in send order, and where they land."""
+class Dispatch:
+    """Rows of a local ``[T, H]`` tensor to move to their experts' pools (with their routing weights).
+
+    Push mode uses the send side (``send_*``, ``dest_row``); pull mode the receive segments
+    (``seg_*``) and what :func:`stage_for_pull` staged before the op's barrier.
+    """
 
     src_TH: Tensor
     send_token_S: Tensor
     send_start_E1: Tensor
     send_dest_row_E: Tensor
+    seg_start_GW: Tensor
+    seg_len_GW: Tensor
+    seg_pos_GW: Tensor
     send_slot_S: Tensor | None = None
     weights_TK: Tensor | None = None
+    pull: bool = False
+
+
+def stage_for_pull(
+    ws: SymmWorkspace,
+    src_TH: Tensor,
+    send_token_S: Tensor,
+    send_slot_S: Tensor | None = None,
+    weights_TK: Tensor | None = None,
+) -> None:
+    """Pull mode, before the op's barrier: copy the rows, their tokens and weights into the staging bank
+    of the coming epoch (two banks, so peers may still read the previous op's while this one is written)."""
+    T, S = src_TH.shape[0], send_token_S.numel()
+    bank = (ws.state[:1].long() + 1) % 2
+    rows = bank * ws.max_tokens + torch.arange(T, device=bank.device)
+    ws.view("stage_x").index_copy_(0, rows, src_TH)
+    slots = bank * ws.max_tokens * ws.key.topk + torch.arange(S, device=bank.device)
+    ws.view("stage_token").index_copy_(0, slots, send_token_S)
+    if weights_TK is not None:
+        weights = weights_TK.reshape(-1).index_select(0, send_slot_S.long()).float()
+        ws.view("stage_weight").index_copy_(0, slots, weights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +136,7 @@ def fused_gemm(
     tiles_X3: Tensor,
     num_tiles_1: Tensor,
     out_RN: Tensor | None = None,
-    push: Push | None = None,
+    push: Dispatch | None = None,
     wait: bool = False,
     remote: RemoteOut | None = None,
     row_scale_R: Tensor | None = None,
@@ -124,6 +164,9 @@ def fused_gemm(
         push.weights_TK if push else None,
         push.send_start_E1 if push else None,
         push.send_dest_row_E if push else None,
+        push.seg_start_GW if push else None,
+        push.seg_len_GW if push else None,
+        push.seg_pos_GW if push else None,
         a_RK,
         b_desc,
         out_RN,
@@ -146,7 +189,12 @@ def fused_gemm(
         off["combine"],
         off["combine_scalar"],
         off["combine_ready"],
+        off["stage_x"],
+        off["stage_token"],
+        off["stage_weight"],
         H,
+        ws.max_tokens,
+        ws.max_tokens * ws.key.topk,
         N,
         K,
         a_RK.stride(0),
@@ -155,6 +203,7 @@ def fused_gemm(
         min(comm_programs(a_RK.device), grid),
         max_spins(),
         COMM=push is not None,
+        PULL=push is not None and push.pull,
         PUSH_WEIGHT=push is not None and push.weights_TK is not None,
         WAIT=wait,
         OUT_REMOTE=remote is not None,

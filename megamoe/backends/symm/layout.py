@@ -39,6 +39,11 @@ class SymmLayout:
     """the source's send position of each pool row (its combine slot there)."""
     received_rows_1: Tensor
     """rows routed to this rank (unclamped: more than P means the pool overflowed)."""
+    seg_start_GW: Tensor
+    """pool row of the first row of each (local expert, source) segment (pull mode reads these three)."""
+    seg_len_GW: Tensor
+    seg_pos_GW: Tensor
+    """the source's send position of each segment's first row."""
 
 
 def build_layout(
@@ -77,6 +82,9 @@ def build_layout(
         row_src_R=row_src_R.to(i32),
         row_pos_R=row_pos_R.to(i32),
         received_rows_1=received.to(i32),
+        seg_start_GW=seg_start_GW.reshape(-1).to(i32),
+        seg_len_GW=seg_len_GW.reshape(-1).to(i32),
+        seg_pos_GW=send_base_GW.reshape(-1).to(i32),
     )
 
 

@@ -13,6 +13,9 @@ Layout of the buffer (identical offsets on every rank, so a peer's address is it
     pool_weight     f32 [P]         the routing weight of each dispatched row
     combine         bf16 [K*T_max, H]  expert outputs, at the source's send position of each slot
     combine_scalar  f32 [K*T_max]   per-slot scalars back to the source (routing-weight gradients)
+    stage_x         bf16 [2, T_max, H]   pull mode: this rank's rows for its peers to read (epoch parity bank)
+    stage_token     i32 [2, K*T_max]     pull mode: the token of each send position
+    stage_weight    f32 [2, K*T_max]     pull mode: the routing weight of each send position
 
 Signals carry the op epoch, a counter every rank bumps once per op on the device. Every rank runs
 the same sequence of ops, so epochs agree; waits compare ``>= epoch`` and nothing is ever reset from
@@ -139,6 +142,9 @@ class BufferLayout:
             "pool_weight": ((pool_rows,), torch.float32),
             "combine": ((slots, key.hidden), key.dtype),
             "combine_scalar": ((slots,), torch.float32),
+            "stage_x": ((2 * max_tokens, key.hidden), key.dtype),
+            "stage_token": ((2 * slots,), torch.int32),
+            "stage_weight": ((2 * slots,), torch.float32),
         }
         offsets, total = {}, 0
         for name, (shape, dtype) in shapes.items():

@@ -17,7 +17,7 @@ from tests._dist import run_ranks
 from tests.megamoe.triton.test_backend import GRADS, _case, _run
 
 
-def _rank(rank: int, world: int, case: tuple, layers: int) -> list[dict[str, torch.Tensor]]:
+def _rank(rank: int, world: int, case: tuple, layers: int, dispatch: str) -> list[dict[str, torch.Tensor]]:
     import os
 
     import torch.distributed as dist
@@ -26,6 +26,7 @@ def _rank(rank: int, world: int, case: tuple, layers: int) -> list[dict[str, tor
 
     install()
     os.environ["MEGAMOE_EP_TRANSPORT"] = "symm"
+    os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
     os.environ["MEGAMOE_SYMM_DEBUG"] = "1"
     os.environ["MEGAMOE_SYMM_MAX_TOKENS"] = str(max(max(t.shape[0] for t in layer) for layer in case[0]))
     out = []
@@ -75,20 +76,31 @@ def _check(results, case, world: int) -> None:
             torch.testing.assert_close(ours, total, rtol=1e-4, atol=1e-5, msg=f"layer {li} {name}")
 
 
+DISPATCH = pytest.mark.parametrize("dispatch", ["push", "pull"])
+
+
+@DISPATCH
 @pytest.mark.parametrize(
     ("tokens", "drop"),
     [([[11, 6]], 0.1), ([[9, 0]], 0.0)],
     ids=["ragged-tokens-drops", "one-rank-no-tokens"],
 )
-def test_fused_ep2_matches_reference(tmp_path, tokens, drop) -> None:
+def test_fused_ep2_matches_reference(tmp_path, tokens, drop, dispatch) -> None:
     case = _cases(tokens, H=24, I=16, E=4, K=2, drop=drop)
-    _check(run_ranks(_rank, 2, tmp_path, case, len(tokens), timeout=600), case, 2)
+    _check(run_ranks(_rank, 2, tmp_path, case, len(tokens), dispatch, timeout=600), case, 2)
 
 
-def test_back_to_back_layers_reuse_one_workspace(tmp_path) -> None:
+@DISPATCH
+def test_back_to_back_layers_reuse_one_workspace(tmp_path, dispatch) -> None:
     """Three layers with new routing each: every op overwrites the pools the previous one used."""
     case = _cases([[7, 5], [4, 9], [8, 8]], H=16, I=8, E=4, K=2, drop=0.2)
-    _check(run_ranks(_rank, 2, tmp_path, case, 3, timeout=600), case, 2)
+    _check(run_ranks(_rank, 2, tmp_path, case, 3, dispatch, timeout=600), case, 2)
+
+
+def test_four_ranks_with_three_experts_each(tmp_path) -> None:
+    """EP = 4 (any size up to 8 works the same way): every rank sends to three peers and itself."""
+    case = _cases([[5, 9, 0, 7]], H=16, I=8, E=12, K=3, drop=0.1)
+    _check(run_ranks(_rank, 4, tmp_path, case, 1, "push", timeout=600), case, 4)
 
 
 def _stuck_peer_rank(rank: int, world: int, case: tuple) -> str:
