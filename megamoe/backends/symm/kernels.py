@@ -39,6 +39,7 @@ from megamoe.backends.symm.workspace import (
     STATE_ERROR,
     STATE_TILE,
 )
+from megamoe.backends.triton.grouped_gemm import _swizzle
 
 # jit code reads module globals only as constexprs
 _TILE = tl.constexpr(STATE_TILE)
@@ -107,14 +108,6 @@ def _wait_kernel(flags_ptr, n, state_ptr, rank, counter_id, max_spins):
     epoch = tl.load(state_ptr)
     for i in range(n):
         _spin_until(flags_ptr + i, epoch, state_ptr, rank, counter_id, i, max_spins)
-
-
-@triton.jit
-def _swizzle(tile_id, num_m, num_n, GROUP_M: tl.constexpr):
-    width = GROUP_M * num_n
-    first_m = (tile_id // width) * GROUP_M
-    size = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (tile_id % width) % size, (tile_id % width) // size
 
 
 @triton.jit
