@@ -19,7 +19,7 @@ GEMM runs. Nothing here reads a device value on the host (debug mode excepted).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ class SymmPlan:
     """this rank's slots sorted by global expert: send positions, their tokens and slots."""
     ws: SymmWorkspace | None = None
     layout: SymmLayout | None = None
-    recv: RoutingPlan | None = field(default=None)
+    recv: RoutingPlan | None = None
     """the pool rows as a routing plan over the local experts (for the shared Triton kernels)."""
 
 
