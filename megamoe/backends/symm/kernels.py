@@ -377,17 +377,26 @@ def _fused_kernel(
     total = num_m * num_n
     k_tiles = 0 if SKIP_MMA else tl.cdiv(K, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
+    ready_expert = -1
     tile_id = tl.atomic_add(state_ptr + _TILE, 1)
     while tile_id < total:
         pid_m, pid_n = _swizzle(tile_id, num_m, num_n, GROUP_M)
         expert = tl.load(tiles_ptr + 3 * pid_m)
         r0 = tl.load(tiles_ptr + 3 * pid_m + 1)
         r_end = tl.load(tiles_ptr + 3 * pid_m + 2)
-        if WAIT:
-            for s in range(world):
-                _spin_until(
-                    pool_ready_ptr + s * G + expert, epoch, state_ptr, rank, _POOL, s * G + expert, max_spins
-                )
+        if WAIT:  # noqa: SIM102 (compile-time branch)
+            if expert != ready_expert:  # consecutive tiles mostly share an expert: poll once for them
+                for s in range(world):
+                    _spin_until(
+                        pool_ready_ptr + s * G + expert,
+                        epoch,
+                        state_ptr,
+                        rank,
+                        _POOL,
+                        s * G + expert,
+                        max_spins,
+                    )
+                ready_expert = expert
         n0 = pid_n * BLOCK_N
         offs_m = r0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < r_end
