@@ -88,12 +88,10 @@ def time_collective(fn: Callable[[], object], *, warmup: int = 5, repeats: int =
 
 
 def _peak_gib(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    peak = torch.tensor([(torch.cuda.max_memory_allocated() - base) / 2**30], device="cuda")
+    """Peak memory of ``fn`` above what was allocated before it, the largest over the ranks."""
+    from megamoe.bench import _peak_gib as local_peak_gib
+
+    peak = torch.tensor([local_peak_gib(fn)], device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return float(peak.item())
 

@@ -39,7 +39,7 @@ from megamoe.backends.symm.workspace import (
     STATE_ERROR,
     STATE_TILE,
 )
-from megamoe.backends.triton.grouped_gemm import _swizzle
+from megamoe.backends.triton.grouped_gemm import _swizzle, tile_product
 
 # jit code reads module globals only as constexprs
 _TILE = tl.constexpr(STATE_TILE)
@@ -375,7 +375,7 @@ def _fused_kernel(
     num_m = tl.load(num_tiles_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
     total = num_m * num_n
-    k_tiles = 0 if SKIP_MMA else tl.cdiv(K, BLOCK_K)
+    k_extent = 0 if SKIP_MMA else K
     offs_k = tl.arange(0, BLOCK_K)
     ready_expert = -1
     tile_id = tl.atomic_add(state_ptr + _TILE, 1)
@@ -401,17 +401,9 @@ def _fused_kernel(
         offs_m = r0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < r_end
         a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            k0 = ki * BLOCK_K
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-            a_ptrs += BLOCK_K
-            if B_KN:
-                b = b_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
-                acc = tl.dot(a, b, acc)
-            else:
-                b = b_desc.load([expert, n0, k0]).reshape(BLOCK_N, BLOCK_K)
-                acc = tl.dot(a, b.T, acc)
+        acc = tile_product(
+            a_ptrs, None, r0, mask_m, b_desc, expert, n0, k_extent, False, B_KN, BLOCK_M, BLOCK_N, BLOCK_K
+        )
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask = mask_m[:, None] & (offs_n < N)[None, :]
         if ROW_SCALE:

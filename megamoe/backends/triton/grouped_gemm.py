@@ -40,6 +40,42 @@ def _swizzle(tile_id, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def tile_product(
+    a_ptrs,
+    a_desc,
+    r0,
+    mask_m,
+    b_desc,
+    expert,
+    n0,
+    K,
+    A_TMA: tl.constexpr,
+    B_KN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``A[tile rows] @ B[expert][n0:n0+BLOCK_N]^T`` in fp32: A by TMA from row ``r0`` (``A_TMA``) or through
+    the row pointers ``a_ptrs`` (rows outside ``mask_m`` read as zero); B by TMA, ``[K, N]`` if ``B_KN``."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        k0 = ki * BLOCK_K
+        if A_TMA:
+            a = a_desc.load([r0, k0])
+        else:
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+            a_ptrs += BLOCK_K
+        if B_KN:
+            b = b_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, b, acc)
+        else:
+            b = b_desc.load([expert, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     # pointers / descriptors
     a_ptr,
@@ -65,7 +101,6 @@ def _grouped_gemm_kernel(
 ):
     num_m = tl.load(num_tiles_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     for tile_id in tl.range(tl.program_id(0), num_m * num_n, num_programs, flatten=True):
         pid_m, pid_n = _swizzle(tile_id, num_m, num_n, GROUP_M)
@@ -78,20 +113,11 @@ def _grouped_gemm_kernel(
         if A_MODE == 1:
             a_rows = tl.load(a_rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
             a_ptrs = a_ptr + a_rows[:, None] * stride_a + offs_k[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            k0 = ki * BLOCK_K
-            if A_MODE == 0:
-                a = a_desc.load([r0, k0])
-            else:
-                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-                a_ptrs += BLOCK_K
-            if B_KN:
-                b = b_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
-                acc = tl.dot(a, b, acc)
-            else:
-                b = b_desc.load([expert, n0, k0]).reshape(BLOCK_N, BLOCK_K)
-                acc = tl.dot(a, b.T, acc)
+        else:
+            a_ptrs = a_ptr
+        acc = tile_product(
+            a_ptrs, a_desc, r0, mask_m, b_desc, expert, n0, K, A_MODE == 0, B_KN, BLOCK_M, BLOCK_N, BLOCK_K
+        )
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
