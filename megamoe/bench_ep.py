@@ -207,6 +207,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
             b_kn=False,
             tiles_X3=lay.tiles_X3,
             num_tiles_1=no_tiles,
+            out_RN=h,
             push=sb._dispatch(plan, x, tw),
         )
 
@@ -243,6 +244,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
             b_kn=True,
             tiles_X3=lay.tiles_X3,
             num_tiles_1=no_tiles,
+            out_RN=da,
             push=d,
         )
 

@@ -75,8 +75,8 @@ def _barrier_kernel(
     rank,
     world,
     E,
-    ARRIVE_OFF,
-    COUNTS_OFF,
+    arrive_ptr,
+    counts_all_ptr,
     max_spins,
     HAS_COUNTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -87,19 +87,15 @@ def _barrier_kernel(
     bases = ptrs_dev.to(tl.pointer_type(tl.int64))
     offs = tl.arange(0, BLOCK_E)
     for r in range(world):
-        base = tl.load(bases + r)
         if HAS_COUNTS:
-            dst = (base + COUNTS_OFF).to(tl.pointer_type(tl.int32)) + ((epoch % 2) * world + rank) * E
+            dst = _peer(counts_all_ptr, bases, rank, r) + ((epoch % 2) * world + rank) * E
             for e0 in range(0, E, BLOCK_E):
                 mask = e0 + offs < E
                 tl.store(dst + e0 + offs, tl.load(counts_ptr + e0 + offs, mask=mask), mask=mask)
         tl.debug_barrier()
-        tl.atomic_xchg(
-            (base + ARRIVE_OFF).to(tl.pointer_type(tl.int32)) + rank, epoch, sem="release", scope="sys"
-        )
-    mine = (tl.load(bases + rank) + ARRIVE_OFF).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(_peer(arrive_ptr, bases, rank, r) + rank, epoch, sem="release", scope="sys")
     for s in range(world):
-        _spin_until(mine + s, epoch, state_ptr, rank, _ARRIVE, s, max_spins)
+        _spin_until(arrive_ptr + s, epoch, state_ptr, rank, _ARRIVE, s, max_spins)
 
 
 @triton.jit(do_not_specialize=["n", "rank", "max_spins"])
@@ -108,6 +104,18 @@ def _wait_kernel(flags_ptr, n, state_ptr, rank, counter_id, max_spins):
     epoch = tl.load(state_ptr)
     for i in range(n):
         _spin_until(flags_ptr + i, epoch, state_ptr, rank, counter_id, i, max_spins)
+
+
+@triton.jit
+def _peer(local_ptr, bases, rank, r):
+    """``local_ptr`` moved into rank ``r``'s copy of the workspace.
+
+    Buffer bases are page-aligned, so the shift is a multiple of 16 elements; saying so keeps the
+    compiler's 16-byte vector loads and stores (an address cast from an integer would get 2-byte ones).
+    """
+    elem = local_ptr.dtype.element_ty.primitive_bitwidth // 8
+    delta = (tl.load(bases + r) - tl.load(bases + rank)) // elem
+    return local_ptr + tl.multiple_of(delta, 16)
 
 
 @triton.jit
@@ -127,9 +135,9 @@ def _push_rows(
     send_start_ptr,
     send_dest_row_ptr,
     H,
-    POOL_OFF,
-    POOL_W_OFF,
-    POOL_READY_OFF,
+    pool_ptr,
+    pool_w_ptr,
+    pool_ready_ptr,
     PUSH_WEIGHT: tl.constexpr,
     COPY_ROWS: tl.constexpr,
     COPY_COLS: tl.constexpr,
@@ -144,8 +152,7 @@ def _push_rows(
         s0 = tl.load(send_start_ptr + e)
         s1 = tl.load(send_start_ptr + e + 1)
         dest0 = tl.load(send_dest_row_ptr + e)
-        base = tl.load(bases + d)
-        pool = (base + POOL_OFF).to(tl.pointer_type(src_ptr.dtype.element_ty))
+        pool = _peer(pool_ptr, bases, rank, d)
         for p0 in range(s0, s1, COPY_ROWS):
             pos = p0 + rows
             dest = dest0 + pos - s0
@@ -160,10 +167,10 @@ def _push_rows(
             if PUSH_WEIGHT:
                 slot = tl.load(send_slot_ptr + pos, mask=ok, other=0)
                 w = tl.load(send_weight_ptr + slot, mask=ok, other=0.0).to(tl.float32)
-                tl.store((base + POOL_W_OFF).to(tl.pointer_type(tl.float32)) + dest64, w, mask=ok)
+                tl.store(_peer(pool_w_ptr, bases, rank, d) + dest64, w, mask=ok)
         tl.debug_barrier()
         tl.atomic_xchg(
-            (base + POOL_READY_OFF).to(tl.pointer_type(tl.int32)) + rank * G + g,
+            _peer(pool_ready_ptr, bases, rank, d) + rank * G + g,
             epoch,
             sem="release",
             scope="sys",
@@ -186,13 +193,12 @@ def _pull_rows(
     H,
     stage_rows,
     stage_slots,
-    POOL_OFF,
-    POOL_W_OFF,
-    POOL_READY_OFF,
-    STAGE_X_OFF,
-    STAGE_TOK_OFF,
-    STAGE_W_OFF,
-    DTYPE: tl.constexpr,
+    pool_ptr,
+    pool_w_ptr,
+    pool_ready_ptr,
+    stage_x_ptr,
+    stage_tok_ptr,
+    stage_w_ptr,
     PUSH_WEIGHT: tl.constexpr,
     COPY_ROWS: tl.constexpr,
     COPY_COLS: tl.constexpr,
@@ -200,8 +206,6 @@ def _pull_rows(
     """Comm role, pull mode: copy every source's rows of my experts from its staging area into my pool."""
     rows = tl.arange(0, COPY_ROWS)
     cols = tl.arange(0, COPY_COLS)
-    mine = tl.load(bases + rank)
-    pool = (mine + POOL_OFF).to(tl.pointer_type(DTYPE))
     bank = epoch % 2
     for task in range(pid, world * G, num_comm):
         g = task // world
@@ -209,9 +213,8 @@ def _pull_rows(
         seg0 = tl.load(seg_start_ptr + g * world + s)
         n = tl.load(seg_len_ptr + g * world + s)
         pos0 = tl.load(seg_pos_ptr + g * world + s)
-        base = tl.load(bases + s)
-        stage_x = (base + STAGE_X_OFF).to(tl.pointer_type(DTYPE)) + bank.to(tl.int64) * stage_rows * H
-        stage_tok = (base + STAGE_TOK_OFF).to(tl.pointer_type(tl.int32)) + bank * stage_slots
+        stage_x = _peer(stage_x_ptr, bases, rank, s) + bank.to(tl.int64) * stage_rows * H
+        stage_tok = _peer(stage_tok_ptr, bases, rank, s) + bank * stage_slots
         for j0 in range(0, n, COPY_ROWS):
             j = j0 + rows
             dest = seg0 + j
@@ -222,14 +225,14 @@ def _pull_rows(
                 c = c0 + cols
                 mask = ok[:, None] & (c < H)[None, :]
                 v = tl.load(stage_x + token[:, None] * H + c[None, :], mask=mask)
-                tl.store(pool + dest64[:, None] * H + c[None, :], v, mask=mask)
+                tl.store(pool_ptr + dest64[:, None] * H + c[None, :], v, mask=mask)
             if PUSH_WEIGHT:
-                stage_w = (base + STAGE_W_OFF).to(tl.pointer_type(tl.float32)) + bank * stage_slots
+                stage_w = _peer(stage_w_ptr, bases, rank, s) + bank * stage_slots
                 w = tl.load(stage_w + pos0 + j, mask=ok, other=0.0)
-                tl.store((mine + POOL_W_OFF).to(tl.pointer_type(tl.float32)) + dest64, w, mask=ok)
+                tl.store(pool_w_ptr + dest64, w, mask=ok)
         tl.debug_barrier()
         tl.atomic_xchg(
-            (mine + POOL_READY_OFF).to(tl.pointer_type(tl.int32)) + s * G + g,
+            pool_ready_ptr + s * G + g,
             epoch,
             sem="release",
             scope="sys",
@@ -242,7 +245,6 @@ def _pull_rows(
         "world",
         "G",
         "pool_rows",
-        "H",
         "stage_rows",
         "stage_slots",
         "num_programs",
@@ -279,15 +281,14 @@ def _fused_kernel(
     world,
     G,
     pool_rows,
-    POOL_OFF,
-    POOL_W_OFF,
-    POOL_READY_OFF,
-    COMB_OFF,
-    COMB_SCALAR_OFF,
-    COMB_READY_OFF,
-    STAGE_X_OFF,
-    STAGE_TOK_OFF,
-    STAGE_W_OFF,
+    pool_ptr,
+    pool_w_ptr,
+    comb_ptr,
+    comb_scalar_ptr,
+    comb_ready_ptr,
+    stage_x_ptr,
+    stage_tok_ptr,
+    stage_w_ptr,
     # sizes
     H,
     stage_rows,
@@ -337,13 +338,12 @@ def _fused_kernel(
                     H,
                     stage_rows,
                     stage_slots,
-                    POOL_OFF,
-                    POOL_W_OFF,
-                    POOL_READY_OFF,
-                    STAGE_X_OFF,
-                    STAGE_TOK_OFF,
-                    STAGE_W_OFF,
-                    src_ptr.dtype.element_ty,
+                    pool_ptr,
+                    pool_w_ptr,
+                    pool_ready_ptr,
+                    stage_x_ptr,
+                    stage_tok_ptr,
+                    stage_w_ptr,
                     PUSH_WEIGHT,
                     COPY_ROWS,
                     COPY_COLS,
@@ -365,9 +365,9 @@ def _fused_kernel(
                     send_start_ptr,
                     send_dest_row_ptr,
                     H,
-                    POOL_OFF,
-                    POOL_W_OFF,
-                    POOL_READY_OFF,
+                    pool_ptr,
+                    pool_w_ptr,
+                    pool_ready_ptr,
                     PUSH_WEIGHT,
                     COPY_ROWS,
                     COPY_COLS,
@@ -411,16 +411,16 @@ def _fused_kernel(
         if OUT_REMOTE:
             src = tl.load(row_src_ptr + offs_m, mask=mask_m, other=0)
             pos = tl.load(row_pos_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-            base = tl.load(bases + src, mask=mask_m, other=0)
-            out = (base + COMB_OFF).to(tl.pointer_type(a_ptr.dtype.element_ty))
-            tl.store(
-                out[:, None] + pos[:, None] * N + offs_n[None, :], acc.to(a_ptr.dtype.element_ty), mask=mask
-            )
+            # each row to its source's copy of the combine slots: local pointer + the peer's shift
+            # (page-aligned bases, N % 8 == 0: the hint keeps 16-byte stores)
+            shift = tl.load(bases + src, mask=mask_m, other=0) - tl.load(bases + rank)
+            elem = comb_ptr.dtype.element_ty.primitive_bitwidth // 8
+            row = tl.multiple_of(shift // elem + pos * N, 8)
+            tl.store(comb_ptr + row[:, None] + offs_n[None, :], acc.to(comb_ptr.dtype.element_ty), mask=mask)
             if PUSH_SCALAR:  # noqa: SIM102 (compile-time branch)
                 if pid_n == 0:
                     v = tl.load(scalar_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
-                    dst = (base + COMB_SCALAR_OFF).to(tl.pointer_type(tl.float32)) + pos
-                    tl.store(dst, v, mask=mask_m)
+                    tl.store(comb_scalar_ptr + shift // 4 + pos, v, mask=mask_m)
         else:
             c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -434,5 +434,6 @@ def _fused_kernel(
         tl.store(state_ptr + _DONE, 0)
         if SIGNAL:
             for r in range(world):
-                flag = (tl.load(bases + r) + COMB_READY_OFF).to(tl.pointer_type(tl.int32)) + rank
-                tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+                tl.atomic_xchg(
+                    _peer(comb_ready_ptr, bases, rank, r) + rank, epoch, sem="release", scope="sys"
+                )

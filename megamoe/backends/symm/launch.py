@@ -50,8 +50,8 @@ def begin_op(ws: SymmWorkspace, counts_E: Tensor | None = None) -> None:
         ws.rank,
         ws.world,
         E,
-        ws.offsets["arrive"],
-        ws.offsets["counts"],
+        ws.view("arrive"),
+        ws.view("counts"),
         max_spins(),
         HAS_COUNTS=counts_E is not None,
         BLOCK_E=min(triton.next_power_of_2(max(E, 1)), 1024),
@@ -155,7 +155,6 @@ def fused_gemm(
         N, K = b.shape[1], b.shape[2]
         b_desc = TensorDescriptor.from_tensor(b, [1, bn, bk])
     grid = ws.programs or num_programs(a_RK.device)
-    off = ws.offsets
     H = push.src_TH.shape[1] if push is not None else 0
     _fused_kernel[(grid,)](
         push.src_TH if push else None,
@@ -183,15 +182,14 @@ def fused_gemm(
         ws.world,
         ws.num_local_experts,
         ws.pool_rows,
-        off["pool"],
-        off["pool_weight"],
-        off["pool_ready"],
-        off["combine"],
-        off["combine_scalar"],
-        off["combine_ready"],
-        off["stage_x"],
-        off["stage_token"],
-        off["stage_weight"],
+        ws.view("pool"),
+        ws.view("pool_weight"),
+        ws.view("combine"),
+        ws.view("combine_scalar"),
+        ws.view("combine_ready"),
+        ws.view("stage_x"),
+        ws.view("stage_token"),
+        ws.view("stage_weight"),
         H,
         ws.max_tokens,
         ws.max_tokens * ws.key.topk,
