@@ -30,14 +30,14 @@ def max_spins() -> int:
 
 
 def comm_programs(device: torch.device) -> int:
-    """Programs that push rows before joining the GEMM (``MEGAMOE_SYMM_COMM_PROGRAMS``, default 20).
+    """Programs that push rows before joining the GEMM (``MEGAMOE_SYMM_COMM_PROGRAMS``, default 40).
 
     One in the CPU interpreter: it runs programs one after another, so a second comm program would
     start only after the first had waited for its rows.
     """
     if device.type != "cuda":
         return 1
-    return int(os.environ.get("MEGAMOE_SYMM_COMM_PROGRAMS", "20"))
+    return int(os.environ.get("MEGAMOE_SYMM_COMM_PROGRAMS", "40"))
 
 
 def begin_op(ws: SymmWorkspace, counts_E: Tensor | None = None) -> None:
