@@ -140,3 +140,42 @@ def test_debug_mode_turns_a_stuck_peer_into_an_error_naming_the_wait(tmp_path) -
     case = _cases([[6, 6]], H=16, I=8, E=4, K=2, drop=0.0)
     message = run_ranks(_stuck_peer_rank, 2, tmp_path, case, timeout=300)[0]
     assert "arrive[1] on EP rank 0" in message and "expected >= 1" in message
+
+
+def _too_many_tokens_rank(rank: int, world: int, case: tuple) -> str:
+    import os
+
+    import torch.distributed as dist
+
+    from megamoe.backends.symm.workspace import SymmCapacityError, SymmTimeoutError
+    from tests.megamoe.triton.interpreter_compat import install
+
+    install()
+    os.environ.update(
+        MEGAMOE_EP_TRANSPORT="symm",
+        MEGAMOE_SYMM_DEBUG="1",
+        MEGAMOE_SYMM_WAIT_SPINS="300",
+        MEGAMOE_SYMM_MAX_TOKENS="5",
+    )
+    x, idx, tw, w1, w2, _ = (t[0][rank] for t in case)
+    errors = (SymmCapacityError, SymmTimeoutError)
+    with pytest.raises(errors) as err:
+        fused_mega_moe(
+            x,
+            idx,
+            tw,
+            w1[rank * 2 : rank * 2 + 2],
+            w2[rank * 2 : rank * 2 + 2],
+            group=dist.group.WORLD,
+            backend="triton",
+        )
+    return f"{type(err.value).__name__}: {err.value}"
+
+
+def test_more_tokens_than_the_workspace_holds_is_refused_with_the_numbers(tmp_path) -> None:
+    """Rank 0 refuses before moving a row; its peer, left waiting, gives up in debug mode."""
+    case = _cases([[7, 3]], H=16, I=8, E=4, K=2, drop=0.0)
+    first, second = run_ranks(_too_many_tokens_rank, 2, tmp_path, case, timeout=300)
+    assert first.startswith("SymmCapacityError: tokens on this EP rank=7")
+    assert "holds 5 tokens per rank" in first and "MEGAMOE_SYMM_MAX_TOKENS>=7" in first
+    assert second.startswith("SymmTimeoutError") and "arrive[0] on EP rank 1" in second
