@@ -97,10 +97,13 @@ def test_back_to_back_layers_reuse_one_workspace(tmp_path, dispatch) -> None:
     _check(run_ranks(_rank, 2, tmp_path, case, 3, dispatch, timeout=600), case, 2)
 
 
-def test_four_ranks_with_three_experts_each(tmp_path) -> None:
-    """EP = 4 (any size up to 8 works the same way): every rank sends to three peers and itself."""
-    case = _cases([[5, 9, 0, 7]], H=16, I=8, E=12, K=3, drop=0.1)
-    _check(run_ranks(_rank, 4, tmp_path, case, 1, "push", timeout=600), case, 4)
+@pytest.mark.parametrize(
+    ("world", "tokens"), [(4, [5, 9, 0, 7]), (8, [3, 5, 0, 4, 6, 2, 5, 3])], ids=["ep4", "ep8"]
+)
+def test_larger_ep_groups(tmp_path, world, tokens) -> None:
+    """EP = 4 and 8 (the most one node holds): every rank sends to every peer and to itself."""
+    case = _cases([tokens], H=16, I=8, E=2 * world, K=3, drop=0.1)
+    _check(run_ranks(_rank, world, tmp_path, case, 1, "push", timeout=600), case, world)
 
 
 def _stuck_peer_rank(rank: int, world: int, case: tuple) -> str:
