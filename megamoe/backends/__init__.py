@@ -12,6 +12,7 @@ PyTorch reference everywhere else.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -79,6 +80,20 @@ def resolve_backend_name(
     return "reference"
 
 
+EP_TRANSPORTS = ("symm", "nccl")
+
+
+def ep_transport(device: torch.device) -> str:
+    """How the Triton backend moves tokens between EP ranks: ``MEGAMOE_EP_TRANSPORT``, else ``symm``
+    (fused into the GEMMs over symmetric memory, one node) on CUDA and ``nccl`` (all-to-all) elsewhere."""
+    name = os.environ.get("MEGAMOE_EP_TRANSPORT") or ("symm" if device.type == "cuda" else "nccl")
+    if name not in EP_TRANSPORTS:
+        raise InvalidConfigError(
+            "MEGAMOE_EP_TRANSPORT", name, "unknown EP transport", f"Use one of {', '.join(EP_TRANSPORTS)}"
+        )
+    return name
+
+
 _CACHE: dict[tuple[str, str], ExpertBackend] = {}
 
 
@@ -97,4 +112,12 @@ def get_backend(
     return _CACHE[key]
 
 
-__all__ = ["BACKEND_NAMES", "PRECISIONS", "ExpertBackend", "get_backend", "resolve_backend_name"]
+__all__ = [
+    "BACKEND_NAMES",
+    "EP_TRANSPORTS",
+    "PRECISIONS",
+    "ExpertBackend",
+    "ep_transport",
+    "get_backend",
+    "resolve_backend_name",
+]

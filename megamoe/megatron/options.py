@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from megamoe.backends import BACKEND_NAMES
+from megamoe.backends import BACKEND_NAMES, ep_transport
 from megamoe.errors import InvalidConfigError, UnsupportedSettingError
 from megamoe.quant.precision import check_precision
 from megamoe.router import check_force_load_balancing
@@ -175,9 +175,12 @@ def decide_mega_moe(config, options: MegaMoEOptions) -> MegaMoEDecision:
     precision = options.precision
     if precision == "mxfp8":
         precision += " (exact emulation: no MXFP8 GPU kernels yet)"
+    exchange = ""
+    if ep > 1 and on_gpu:
+        exchange = f", EP exchange={ep_transport(torch.device('cuda'))}"
     return MegaMoEDecision(
         True,
         f"MoELayer replaced by MegaMoE: enable_primus_turbo and use_turbo_mega_moe on, TP=1, "
         f"{str(config.params_dtype).removeprefix('torch.')} params, EP={ep} "
-        f"({config.num_moe_experts // ep} experts/rank), backend={options.backend}, precision={precision}",
+        f"({config.num_moe_experts // ep} experts/rank){exchange}, backend={options.backend}, precision={precision}",
     )

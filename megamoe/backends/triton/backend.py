@@ -20,13 +20,13 @@ EP > 1, two transports (``MEGAMOE_EP_TRANSPORT``):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megamoe.backends import ep_transport
 from megamoe.backends.exchange import TokenExchange
 from megamoe.backends.symm.backend import SymmBackend, SymmPlan
 from megamoe.backends.triton import ops
@@ -48,17 +48,6 @@ class TritonPlan:
 
 def _ep_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
-
-
-EP_TRANSPORTS = ("symm", "nccl")
-
-
-def ep_transport(device: torch.device) -> str:
-    """How tokens move between EP ranks: ``MEGAMOE_EP_TRANSPORT``, else ``symm`` on CUDA, ``nccl`` elsewhere."""
-    name = os.environ.get("MEGAMOE_EP_TRANSPORT") or ("symm" if device.type == "cuda" else "nccl")
-    if name not in EP_TRANSPORTS:
-        raise ValueError(f"MEGAMOE_EP_TRANSPORT={name!r}: use one of {', '.join(EP_TRANSPORTS)}")
-    return name
 
 
 class TritonBackend:
