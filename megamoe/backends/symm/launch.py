@@ -13,6 +13,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from megamoe.backends.symm.kernels import _barrier_kernel, _fused_kernel, _wait_kernel
 from megamoe.backends.symm.workspace import SymmWorkspace, debug_enabled
 from megamoe.backends.triton.configs import gemm_config, num_programs
+from megamoe.errors import InvalidConfigError
 
 _FOREVER = 2**31 - 1
 _DEBUG_SPINS = 5_000_000  # a few seconds of polling on a GPU
@@ -73,7 +74,9 @@ def dispatch_mode() -> str:
     (sources stage their rows locally, destinations read them)."""
     mode = os.environ.get("MEGAMOE_SYMM_DISPATCH", "push")
     if mode not in DISPATCH_MODES:
-        raise ValueError(f"MEGAMOE_SYMM_DISPATCH={mode!r}: use one of {', '.join(DISPATCH_MODES)}")
+        raise InvalidConfigError(
+            "MEGAMOE_SYMM_DISPATCH", mode, "unknown dispatch mode", f"Use one of {', '.join(DISPATCH_MODES)}"
+        )
     return mode
 
 
