@@ -3,7 +3,8 @@
 CPU logic tests run the kernels under ``TRITON_INTERPRET=1`` in float32. Triton reads that variable
 when a kernel is decorated, so it is set here, before any test module imports the kernels, and only
 on machines without CUDA. ``gpu``-marked tests need a CUDA GPU (the device machine: ``pytest -m gpu
-tests/megamoe/triton``); elsewhere they are deselected, not skipped, and the header says so.
+tests/megamoe``) and ``multigpu`` ones two; elsewhere they are deselected, not skipped, and the
+summary says so.
 """
 
 from __future__ import annotations
