@@ -299,8 +299,12 @@ def _machine() -> str:
 
 
 def _commit() -> str:
+    """The checkout's commit, with ``-dirty`` when the tree differs from it (a copied tree may carry an
+    older ``.git``)."""
     res = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=7"],
+        capture_output=True,
+        text=True,
     )
     return res.stdout.strip() if res.returncode == 0 else "unknown"
 
