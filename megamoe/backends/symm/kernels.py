@@ -119,6 +119,17 @@ def _peer(local_ptr, bases, rank, r):
 
 
 @triton.jit
+def _copy_rows(src_ptr, src_rows, dst_ptr, dst_rows, ok, H, COPY_COLS: tl.constexpr):
+    """``dst[dst_rows] = src[src_rows]`` for the rows where ``ok``, ``H`` columns each."""
+    cols = tl.arange(0, COPY_COLS)
+    for c0 in range(0, H, COPY_COLS):
+        c = c0 + cols
+        mask = ok[:, None] & (c < H)[None, :]
+        v = tl.load(src_ptr + src_rows[:, None] * H + c[None, :], mask=mask)
+        tl.store(dst_ptr + dst_rows[:, None] * H + c[None, :], v, mask=mask)
+
+
+@triton.jit
 def _push_rows(
     pid,
     num_comm,
@@ -144,7 +155,6 @@ def _push_rows(
 ):
     """Comm role: copy my rows of every (expert, destination) into the destination's pool, then signal."""
     rows = tl.arange(0, COPY_ROWS)
-    cols = tl.arange(0, COPY_COLS)
     for task in range(pid, world * G, num_comm):
         g = task // world
         d = (rank + task) % world
@@ -159,11 +169,7 @@ def _push_rows(
             ok = (pos < s1) & (dest < pool_rows)
             token = tl.load(send_token_ptr + pos, mask=ok, other=0).to(tl.int64)
             dest64 = dest.to(tl.int64)
-            for c0 in range(0, H, COPY_COLS):
-                c = c0 + cols
-                mask = ok[:, None] & (c < H)[None, :]
-                v = tl.load(src_ptr + token[:, None] * H + c[None, :], mask=mask)
-                tl.store(pool + dest64[:, None] * H + c[None, :], v, mask=mask)
+            _copy_rows(src_ptr, token, pool, dest64, ok, H, COPY_COLS)
             if PUSH_WEIGHT:
                 slot = tl.load(send_slot_ptr + pos, mask=ok, other=0)
                 w = tl.load(send_weight_ptr + slot, mask=ok, other=0.0).to(tl.float32)
@@ -205,7 +211,6 @@ def _pull_rows(
 ):
     """Comm role, pull mode: copy every source's rows of my experts from its staging area into my pool."""
     rows = tl.arange(0, COPY_ROWS)
-    cols = tl.arange(0, COPY_COLS)
     bank = epoch % 2
     for task in range(pid, world * G, num_comm):
         g = task // world
@@ -221,11 +226,7 @@ def _pull_rows(
             ok = (j < n) & (dest < pool_rows)
             token = tl.load(stage_tok + pos0 + j, mask=ok, other=0).to(tl.int64)
             dest64 = dest.to(tl.int64)
-            for c0 in range(0, H, COPY_COLS):
-                c = c0 + cols
-                mask = ok[:, None] & (c < H)[None, :]
-                v = tl.load(stage_x + token[:, None] * H + c[None, :], mask=mask)
-                tl.store(pool_ptr + dest64[:, None] * H + c[None, :], v, mask=mask)
+            _copy_rows(stage_x, token, pool_ptr, dest64, ok, H, COPY_COLS)
             if PUSH_WEIGHT:
                 stage_w = _peer(stage_w_ptr, bases, rank, s) + bank * stage_slots
                 w = tl.load(stage_w + pos0 + j, mask=ok, other=0.0)
