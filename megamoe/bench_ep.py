@@ -145,7 +145,6 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     from megamoe.backends.exchange import TokenExchange, _all_to_all
     from megamoe.backends.symm import launch
     from megamoe.backends.symm.backend import SymmBackend
-    from megamoe.backends.symm.layout import build_layout
     from megamoe.backends.symm.workspace import COUNTER_COMBINE, COUNTER_POOL
     from megamoe.backends.triton.combine import combine
     from megamoe.backends.triton.configs import num_programs, wgrad_config
@@ -168,7 +167,6 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     dy = torch.randn_like(x)
     y = torch.empty_like(x)
     da = h.new_empty(P, I)
-    counts = (s.expert_start_G1[1:] - s.expert_start_G1[:-1]).contiguous()
     ex = TokenExchange.build(idx, num_experts=E, group=group)
     send_rows = x.new_empty(int(ex.send_slots_S.numel()), H)
     recv_rows = x.new_empty(ex.num_rows, H)
@@ -179,9 +177,9 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     def a2a_combine():
         _all_to_all(recv_rows, send_rows.shape[0], ex.send_splits, ex.recv_splits, group)
 
-    def gemm(op, a_rk, b, b_kn, **kw):
+    def gemm(op, a_rk, b, b_kn, num_tiles_1=lay.num_tiles_1, **kw):
         launch.fused_gemm(
-            ws, op=op, a_RK=a_rk, b=b, b_kn=b_kn, tiles_X3=lay.tiles_X3, num_tiles_1=lay.num_tiles_1, **kw
+            ws, op=op, a_RK=a_rk, b=b, b_kn=b_kn, tiles_X3=lay.tiles_X3, num_tiles_1=num_tiles_1, **kw
         )
 
     remote = launch.RemoteOut(lay.row_src_R, lay.row_pos_R)
@@ -192,24 +190,8 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
         sb.stage1_forward(x, tw, w1, p)
 
     def fwd1_comm():
-        if launch.dispatch_mode() == "pull":
-            launch.stage_for_pull(ws, x, s.row_token_R, s.row_slot_R, tw)
-        launch.begin_op(ws, counts)
-        counts_we = ws.view("counts").index_select(0, (ws.state[:1] % 2).long()).squeeze(0)
-        build_layout(
-            counts_we, rank=ws.rank, num_local_experts=ws.num_local_experts, pool_rows=P, block_m=s.block_m
-        )
-        launch.fused_gemm(
-            ws,
-            op="gemm1",
-            a_RK=pool,
-            b=w1,
-            b_kn=False,
-            tiles_X3=lay.tiles_X3,
-            num_tiles_1=no_tiles,
-            out_RN=h,
-            push=sb._dispatch(plan, x, tw),
-        )
+        sb._exchange(plan, x, tw)  # [pull staging,] count exchange with the barrier, layout
+        gemm("gemm1", pool, w1, False, num_tiles_1=no_tiles, out_RN=h, push=sb._dispatch(plan, x, tw))
 
     def fwd1_gemm():
         gemm("gemm1", pool, w1, False, out_RN=h)
@@ -236,17 +218,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     def bwd2_comm():
         d = sb._dispatch(plan, dy)
         sb._begin(plan, d)
-        launch.fused_gemm(
-            ws,
-            op="dgrad2",
-            a_RK=pool,
-            b=w2,
-            b_kn=True,
-            tiles_X3=lay.tiles_X3,
-            num_tiles_1=no_tiles,
-            out_RN=da,
-            push=d,
-        )
+        gemm("dgrad2", pool, w2, True, num_tiles_1=no_tiles, out_RN=da, push=d)
 
     def bwd2_gemm():
         gemm("dgrad2", pool, w2, True, out_RN=da)
