@@ -14,8 +14,10 @@ compiled kernels and no setting recompiles them mid-run.
 The fused kernel has two roles in one persistent grid (comm programs get the lowest ids, so they are
 scheduled first and no waiting program can starve them)::
 
-    programs [0, num_comm):  for each (expert g, destination d), g-major so early experts land first:
-                                 push my rows of expert d*G+g into d's pool; release pool_ready[me, g] on d
+    programs [0, num_comm):  num_comm / W programs per destination d walk its experts g in order, each
+                             pushing every (num_comm / W)-th chunk of my rows of expert d*G+g into d's
+                             pool (so the first experts land first); the last of them releases
+                             pool_ready[me, g] on d
                              (pull mode: for each (my expert g, source s), copy s's staged rows of g
                              into my pool; release my pool_ready[s, g])
                              then join the GEMM role
@@ -23,7 +25,7 @@ scheduled first and no waiting program can starve them)::
                                  [WAIT] acquire pool_ready[s, expert] for every source s
                                  acc = A[rows] @ B[expert]   (A rows by pointer loads)
                                  store locally, or [OUT_REMOTE] push each row to its source's combine slot
-                             the last program out resets the tile counter; [SIGNAL] and releases
+                             the last program out resets the counters; [SIGNAL] and releases
                              combine_ready[me] on every rank
 """
 
@@ -130,6 +132,35 @@ def _copy_rows(src_ptr, src_rows, dst_ptr, dst_rows, ok, H, COPY_COLS: tl.conste
 
 
 @triton.jit
+def _comm_share(pid, num_comm, world):
+    """The peers this comm program serves (``range(first, world, step)`` of offsets from this rank) and
+    its index ``q`` among the ``Q`` programs that split each (peer, expert) task's rows.
+
+    With at least one program per peer, each peer gets ``Q = num_comm // world`` programs that walk
+    its experts in order, each copying every Q-th chunk: the first experts land after a fraction of
+    the exchange instead of all experts landing together. With fewer (the CPU interpreter runs one),
+    a program serves several peers alone.
+    """
+    many = num_comm >= world
+    Q = tl.maximum(num_comm // world, 1)
+    q = tl.where(many, pid // world, 0)
+    first = tl.where(many, pid % world, pid)
+    first = tl.where(q < Q, first, world)  # left over when num_comm is not a multiple of world
+    step = tl.where(many, world, num_comm)
+    return first, step, q, Q
+
+
+@triton.jit
+def _task_done(task_done_ptr, index, Q):
+    """Count this program out of task ``index``; true for the last of its ``Q`` programs.
+
+    Release/acquire at system scope: the last one's signal then covers every program's stores.
+    """
+    tl.debug_barrier()
+    return tl.atomic_add(task_done_ptr + index, 1, sem="acq_rel", scope="sys") == Q - 1
+
+
+@triton.jit
 def _push_rows(
     pid,
     num_comm,
@@ -149,37 +180,94 @@ def _push_rows(
     pool_ptr,
     pool_w_ptr,
     pool_ready_ptr,
+    task_done_ptr,
     PUSH_WEIGHT: tl.constexpr,
     COPY_ROWS: tl.constexpr,
     COPY_COLS: tl.constexpr,
 ):
     """Comm role: copy my rows of every (expert, destination) into the destination's pool, then signal."""
     rows = tl.arange(0, COPY_ROWS)
-    for task in range(pid, world * G, num_comm):
-        g = task // world
-        d = (rank + task) % world
-        e = d * G + g
-        s0 = tl.load(send_start_ptr + e)
-        s1 = tl.load(send_start_ptr + e + 1)
-        dest0 = tl.load(send_dest_row_ptr + e)
+    first, step, q, Q = _comm_share(pid, num_comm, world)
+    for d_off in range(first, world, step):
+        d = (rank + d_off) % world
         pool = _peer(pool_ptr, bases, rank, d)
-        for p0 in range(s0, s1, COPY_ROWS):
-            pos = p0 + rows
-            dest = dest0 + pos - s0
-            ok = (pos < s1) & (dest < pool_rows)
-            token = tl.load(send_token_ptr + pos, mask=ok, other=0).to(tl.int64)
-            dest64 = dest.to(tl.int64)
-            _copy_rows(src_ptr, token, pool, dest64, ok, H, COPY_COLS)
-            if PUSH_WEIGHT:
-                slot = tl.load(send_slot_ptr + pos, mask=ok, other=0)
-                w = tl.load(send_weight_ptr + slot, mask=ok, other=0.0).to(tl.float32)
-                tl.store(_peer(pool_w_ptr, bases, rank, d) + dest64, w, mask=ok)
-        tl.debug_barrier()
+        for g in range(G):
+            _push_task(
+                d,
+                d * G + g,
+                g,
+                q,
+                Q,
+                epoch,
+                bases,
+                rank,
+                G,
+                pool_rows,
+                pool,
+                src_ptr,
+                send_token_ptr,
+                send_slot_ptr,
+                send_weight_ptr,
+                send_start_ptr,
+                send_dest_row_ptr,
+                H,
+                pool_w_ptr,
+                pool_ready_ptr,
+                task_done_ptr,
+                rows,
+                PUSH_WEIGHT,
+                COPY_ROWS,
+                COPY_COLS,
+            )
+
+
+@triton.jit
+def _push_task(
+    d,
+    e,
+    g,
+    q,
+    Q,
+    epoch,
+    bases,
+    rank,
+    G,
+    pool_rows,
+    pool,
+    src_ptr,
+    send_token_ptr,
+    send_slot_ptr,
+    send_weight_ptr,
+    send_start_ptr,
+    send_dest_row_ptr,
+    H,
+    pool_w_ptr,
+    pool_ready_ptr,
+    task_done_ptr,
+    rows,
+    PUSH_WEIGHT: tl.constexpr,
+    COPY_ROWS: tl.constexpr,
+    COPY_COLS: tl.constexpr,
+):
+    """Every Q-th chunk (from the q-th) of my rows of expert ``e`` into rank d's pool; the last of the
+    Q programs releases ``pool_ready[me, g]`` there."""
+    s0 = tl.load(send_start_ptr + e)
+    s1 = tl.load(send_start_ptr + e + 1)
+    dest0 = tl.load(send_dest_row_ptr + e)
+    for p0 in range(s0 + q * COPY_ROWS, s1, Q * COPY_ROWS):
+        pos = p0 + rows
+        dest = dest0 + pos - s0
+        ok = (pos < s1) & (dest < pool_rows)
+        token = tl.load(send_token_ptr + pos, mask=ok, other=0).to(tl.int64)
+        dest64 = dest.to(tl.int64)
+        _copy_rows(src_ptr, token, pool, dest64, ok, H, COPY_COLS)
+        if PUSH_WEIGHT:
+            slot = tl.load(send_slot_ptr + pos, mask=ok, other=0)
+            w = tl.load(send_weight_ptr + slot, mask=ok, other=0.0).to(tl.float32)
+            tl.store(_peer(pool_w_ptr, bases, rank, d) + dest64, w, mask=ok)
+    if _task_done(task_done_ptr, e, Q):
         tl.atomic_xchg(
-            _peer(pool_ready_ptr, bases, rank, d) + rank * G + g,
-            epoch,
-            sem="release",
-            scope="sys",
+            _peer(pool_ready_ptr, bases, rank, d) + rank * G + g, epoch, sem="release", scope="sys"
         )
 
 
@@ -205,6 +293,7 @@ def _pull_rows(
     stage_x_ptr,
     stage_tok_ptr,
     stage_w_ptr,
+    task_done_ptr,
     PUSH_WEIGHT: tl.constexpr,
     COPY_ROWS: tl.constexpr,
     COPY_COLS: tl.constexpr,
@@ -212,32 +301,28 @@ def _pull_rows(
     """Comm role, pull mode: copy every source's rows of my experts from its staging area into my pool."""
     rows = tl.arange(0, COPY_ROWS)
     bank = epoch % 2
-    for task in range(pid, world * G, num_comm):
-        g = task // world
-        s = (rank + task) % world
-        seg0 = tl.load(seg_start_ptr + g * world + s)
-        n = tl.load(seg_len_ptr + g * world + s)
-        pos0 = tl.load(seg_pos_ptr + g * world + s)
+    first, step, q, Q = _comm_share(pid, num_comm, world)
+    for s_off in range(first, world, step):
+        s = (rank + s_off) % world
         stage_x = _peer(stage_x_ptr, bases, rank, s) + bank.to(tl.int64) * stage_rows * H
         stage_tok = _peer(stage_tok_ptr, bases, rank, s) + bank * stage_slots
-        for j0 in range(0, n, COPY_ROWS):
-            j = j0 + rows
-            dest = seg0 + j
-            ok = (j < n) & (dest < pool_rows)
-            token = tl.load(stage_tok + pos0 + j, mask=ok, other=0).to(tl.int64)
-            dest64 = dest.to(tl.int64)
-            _copy_rows(stage_x, token, pool_ptr, dest64, ok, H, COPY_COLS)
-            if PUSH_WEIGHT:
-                stage_w = _peer(stage_w_ptr, bases, rank, s) + bank * stage_slots
-                w = tl.load(stage_w + pos0 + j, mask=ok, other=0.0)
-                tl.store(pool_w_ptr + dest64, w, mask=ok)
-        tl.debug_barrier()
-        tl.atomic_xchg(
-            pool_ready_ptr + s * G + g,
-            epoch,
-            sem="release",
-            scope="sys",
-        )
+        stage_w = _peer(stage_w_ptr, bases, rank, s) + bank * stage_slots
+        for g in range(G):
+            seg0 = tl.load(seg_start_ptr + g * world + s)
+            n = tl.load(seg_len_ptr + g * world + s)
+            pos0 = tl.load(seg_pos_ptr + g * world + s)
+            for j0 in range(q * COPY_ROWS, n, Q * COPY_ROWS):
+                j = j0 + rows
+                dest = seg0 + j
+                ok = (j < n) & (dest < pool_rows)
+                token = tl.load(stage_tok + pos0 + j, mask=ok, other=0).to(tl.int64)
+                dest64 = dest.to(tl.int64)
+                _copy_rows(stage_x, token, pool_ptr, dest64, ok, H, COPY_COLS)
+                if PUSH_WEIGHT:
+                    w = tl.load(stage_w + pos0 + j, mask=ok, other=0.0)
+                    tl.store(pool_w_ptr + dest64, w, mask=ok)
+            if _task_done(task_done_ptr, s * G + g, Q):
+                tl.atomic_xchg(pool_ready_ptr + s * G + g, epoch, sem="release", scope="sys")
 
 
 @triton.jit(
@@ -290,6 +375,7 @@ def _fused_kernel(
     stage_x_ptr,
     stage_tok_ptr,
     stage_w_ptr,
+    task_done_ptr,
     # sizes
     H,
     stage_rows,
@@ -345,6 +431,7 @@ def _fused_kernel(
                     stage_x_ptr,
                     stage_tok_ptr,
                     stage_w_ptr,
+                    task_done_ptr,
                     PUSH_WEIGHT,
                     COPY_ROWS,
                     COPY_COLS,
@@ -369,6 +456,7 @@ def _fused_kernel(
                     pool_ptr,
                     pool_w_ptr,
                     pool_ready_ptr,
+                    task_done_ptr,
                     PUSH_WEIGHT,
                     COPY_ROWS,
                     COPY_COLS,
@@ -433,6 +521,9 @@ def _fused_kernel(
     if done == num_programs - 1:
         tl.store(state_ptr + _TILE, 0)
         tl.store(state_ptr + _DONE, 0)
+        for i0 in range(0, world * G, 1024):
+            i = i0 + tl.arange(0, 1024)
+            tl.store(task_done_ptr + i, tl.zeros((1024,), dtype=tl.int32), mask=i < world * G)
         if SIGNAL:
             for r in range(world):
                 tl.atomic_xchg(

@@ -144,10 +144,12 @@ def fused_gemm(
     remote: RemoteOut | None = None,
     row_scale_R: Tensor | None = None,
     skip_mma: bool = False,
+    num_comm: int | None = None,
 ) -> None:
     """One launch of the fused kernel: optional row push, grouped GEMM ``A @ B[expert]``, local or remote out.
 
     ``skip_mma`` leaves out the K loop (tiles store zeros): the benchmark's communication-only leg.
+    ``num_comm`` overrides :func:`comm_programs` (tests of the comm role alone, with no tiles).
     """
     cfg = gemm_config(op, a_RK.device)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -193,6 +195,7 @@ def fused_gemm(
         ws.view("stage_x"),
         ws.view("stage_token"),
         ws.view("stage_weight"),
+        ws.task_done,
         H,
         ws.max_tokens,
         ws.max_tokens * ws.key.topk,
@@ -201,7 +204,7 @@ def fused_gemm(
         a_RK.stride(0),
         out_RN.stride(0) if out_RN is not None else 0,
         grid,
-        min(comm_programs(a_RK.device), grid),
+        min(num_comm or comm_programs(a_RK.device), grid),
         max_spins(),
         COMM=push is not None,
         PULL=push is not None and push.pull,

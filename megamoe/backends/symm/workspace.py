@@ -75,6 +75,8 @@ class SymmWorkspace:
     """device address of the array of every rank's buffer base (int64 each)."""
     keepalive: tuple
     state: Tensor
+    task_done: Tensor
+    """per (peer, expert) task: comm programs done with it in this op (reset by the fused kernel)."""
     programs: int | None = None
     """persistent grid of the fused kernel (default: one program per SM)."""
     offsets: dict[str, int] = field(default_factory=dict)
@@ -167,6 +169,9 @@ class BufferLayout:
             ptrs_dev=ptrs_dev,
             keepalive=keepalive,
             state=torch.zeros(16, dtype=torch.int32, device=buffer.device),
+            task_done=torch.zeros(
+                self.world * (key.num_experts // self.world), dtype=torch.int32, device=buffer.device
+            ),
             offsets=self.offsets,
             shapes=self.shapes,
         )

@@ -182,3 +182,50 @@ def test_more_tokens_than_the_workspace_holds_is_refused_with_the_numbers(tmp_pa
     assert first.startswith("SymmCapacityError: tokens on this EP rank=7")
     assert "holds 5 tokens per rank" in first and "MEGAMOE_SYMM_MAX_TOKENS>=7" in first
     assert second.startswith("SymmTimeoutError") and "arrive[0] on EP rank 1" in second
+
+
+def _comm_only_rank(rank: int, world: int, case: tuple, num_comm: int, dispatch: str) -> bool:
+    """The comm role alone (no GEMM tiles, so no program waits; the CPU grid is 4 programs)."""
+    import os
+
+    import torch.distributed as dist
+
+    from megamoe.backends.exchange import TokenExchange
+    from megamoe.backends.symm import launch
+    from megamoe.backends.symm.backend import SymmBackend
+    from tests.megamoe.triton.interpreter_compat import install
+
+    install()
+    os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
+    x, idx, tw, w1, _, _ = (t[0][rank] for t in case)
+    E, group = w1.shape[0], dist.group.WORLD
+    backend = SymmBackend()
+    plan = backend.make_plan(idx, num_experts=E, group=group)
+    backend._exchange(plan, x, tw)
+    ws = plan.ws
+    launch.fused_gemm(
+        ws,
+        op="gemm1",
+        a_RK=ws.view("pool"),
+        b=w1[: E // world],
+        b_kn=False,
+        tiles_X3=plan.layout.tiles_X3,
+        num_tiles_1=torch.zeros(1, dtype=torch.int32),
+        out_RN=torch.empty(ws.pool_rows, w1.shape[1]),
+        push=backend._dispatch(plan, x, tw),
+        num_comm=num_comm,
+    )
+    dist.barrier()  # every rank's pushes are done (kernels run synchronously on the CPU)
+    expected = TokenExchange.build(idx, num_experts=E, group=group).dispatch_tokens(x)
+    received = int(plan.layout.expert_start_G1[-1])
+    flags_set = bool((ws.view("pool_ready") == ws.state[0]).all())
+    return torch.equal(ws.view("pool")[:received], expected) and flags_set and not ws.task_done.any()
+
+
+@DISPATCH
+@pytest.mark.parametrize(
+    "num_comm", [3, 4, 7], ids=["one-per-peer-one-idle", "two-per-peer", "three-per-peer"]
+)
+def test_comm_programs_split_each_task_and_the_last_one_signals(tmp_path, num_comm, dispatch) -> None:
+    case = _cases([[9, 6]], H=24, I=8, E=6, K=2, drop=0.1)
+    assert all(run_ranks(_comm_only_rank, 2, tmp_path, case, num_comm, dispatch, timeout=300))
