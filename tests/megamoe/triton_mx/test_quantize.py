@@ -10,6 +10,11 @@ import pytest
 import torch
 
 from megamoe.backends.triton_mx.quantize_rows import empty_rows_mx, quantize_rows
+from megamoe.backends.triton_mx.quantize_segments import (
+    quantize_segments,
+    quantize_transposed_weight,
+    segment_block_starts,
+)
 from megamoe.quant.mx import MXTensor, quantize_mx
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -112,3 +117,48 @@ def test_quantize_rows_writes_strided_scales_and_stops_at_valid_rows() -> None:
     want = quantize_mx(src[:13], dim=1)
     assert_same_mx(MXTensor(out.data[:13], out.scale[:13], 1), want)
     assert (out.data.view(torch.uint8)[13:] == 0xAB).all() and (out.scale[13:] == 0xCD).all()
+
+
+def _segments(counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    num_blocks = -(-sum(counts) // 32) + len(counts)
+    return starts, segment_block_starts(starts), num_blocks
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered"])
+def test_quantize_segments_blocks_start_at_each_segment_and_match_quantize_mx(gather: bool) -> None:
+    counts = [0, 45, 32, 1, 0, 70]
+    R, X = sum(counts), 40
+    src = spread(R + 7, X, seed=3)
+    index = torch.randperm(R + 7, generator=torch.Generator().manual_seed(0))[:R].to(torch.int32)
+    rows = src[index.long()] if gather else src[:R]
+    starts, block_start, num_blocks = _segments(counts)
+    got = quantize_segments(
+        (src if gather else src[:R]).to(DEVICE),
+        starts,
+        block_start,
+        num_blocks,
+        index_R=index.to(DEVICE) if gather else None,
+    )
+    data, scale = got.data.view(torch.uint8).cpu(), got.scale.cpu()
+    assert block_start.tolist() == [0, 0, 2, 3, 4, 4, 7]
+    for g, chunk in enumerate(rows.split(counts)):
+        if not counts[g]:
+            continue
+        b0, nb = block_start[g].item(), -(-counts[g] // 32)
+        want = quantize_mx(chunk, dim=0)
+        lanes = data[:, 32 * b0 : 32 * (b0 + nb)]
+        assert torch.equal(lanes[:, : counts[g]], want.data.view(torch.uint8).t()), f"expert {g}"
+        assert (lanes[:, counts[g] :] == 0).all(), f"expert {g}: zero lanes past the segment"
+        assert torch.equal(scale[:, b0 : b0 + nb], want.scale.t()), f"expert {g} scales"
+
+
+def test_quantize_transposed_weight_equals_quantize_mx_of_the_transpose() -> None:
+    w = spread(3 * 50, 24, seed=4).reshape(3, 50, 24)
+    out = MXTensor(
+        data=torch.empty(3, 24, 50, dtype=torch.float8_e4m3fn, device=DEVICE),
+        scale=torch.empty(2, 3, 24, dtype=torch.uint8, device=DEVICE).permute(1, 2, 0),
+        dim=2,
+    )
+    quantize_transposed_weight(w.to(DEVICE), out)
+    assert_same_mx(out, quantize_mx(w.transpose(1, 2), dim=-1))

@@ -1,0 +1,181 @@
+"""MX quantisation along R inside each segment of rows, written transposed: the wgrad operands.
+
+Legend: R rows (expert-sorted), X columns, G segments (experts) ``[row_start[g], row_start[g+1])``,
+NB block slots. A weight gradient ``dW[g] = P_g^T Q_g`` sums over R, so its operands are blocked along
+R, and blocks start at each expert's first row (a block never straddles two experts; the last one is
+short, read as zero-padded). Hopper's FP8 MMA wants both operands K-major, so the E4M3 data is
+written transposed, R contiguous::
+
+    for (block slot j, column tile) in grid:
+        g = the segment whose blocks [block_start[g], block_start[g+1]) hold j    # ceil(rows / 32) each
+        v[i, x] = src[index[row_start[g] + 32 (j - block_start[g]) + i], x]      # 0 past the segment end
+        code[x] = e8m0(amax_i |v[i, x]|);  out[x, 32 j + i] = e4m3(v[i, x] / 2**(code[x] - 127))
+
+``packed`` output (the wgrad operands): ``data [X, 32 NB]``, segment g at columns ``32 block_start[g]``
+on, zero lanes written past its end, so a K loop over a segment's blocks reads no other expert; codes
+``[X, NB]``. Not packed (the weight cache's transposed form ``w^T [G, X, Y]``): each segment starts a
+new ``[X, Y]`` matrix and only its ``Y`` lanes are written. ``index`` fuses the dispatch gather
+(``x`` and ``dy`` are read through ``row_token``, no sorted copy). Bit-identical to
+``quantize_mx(src[segment], dim=0)`` per segment.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from megamoe.backends.triton_mx.mx_math import quantize_along_rows, segment_of_block
+from megamoe.quant.mx import BLOCK, MXTensor
+
+
+@triton.jit
+def _quantize_segments_kernel(
+    src_ptr,
+    index_ptr,
+    row_start_ptr,
+    block_start_ptr,
+    data_ptr,
+    scale_ptr,
+    G,
+    X,
+    stride_src,
+    data_seg,
+    data_x,
+    scale_seg,
+    scale_x,
+    scale_b,
+    HAS_INDEX: tl.constexpr,
+    PACKED: tl.constexpr,
+    BINS: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+):
+    block = tl.program_id(0)
+    g, first_block = segment_of_block(block_start_ptr, block, G, BINS)
+    if g < G:
+        local = block - first_block
+        lanes = tl.arange(0, 32)
+        rows = tl.load(row_start_ptr + g) + local * 32 + lanes
+        row_ok = rows < tl.load(row_start_ptr + g + 1)
+        if HAS_INDEX:
+            src_rows = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        else:
+            src_rows = rows.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
+        col_ok = cols < X
+        v = tl.load(
+            src_ptr + src_rows[:, None] * stride_src + cols[None, :],
+            mask=row_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        elements, codes = quantize_along_rows(v)
+        slot = block if PACKED else local
+        base = g.to(tl.int64) * data_seg + slot.to(tl.int64) * 32
+        ptrs = data_ptr + base + cols[:, None].to(tl.int64) * data_x + lanes[None, :]
+        if PACKED:
+            store_ok = col_ok[:, None] & (lanes < 32)[None, :]
+        else:
+            store_ok = col_ok[:, None] & row_ok[None, :]
+        tl.store(ptrs, tl.trans(elements).to(tl.uint8), mask=store_ok)
+        scale_ptrs = scale_ptr + g.to(tl.int64) * scale_seg + cols.to(tl.int64) * scale_x + slot * scale_b
+        tl.store(scale_ptrs, codes.to(tl.uint8), mask=col_ok)
+
+
+def segment_block_starts(row_start_G1: Tensor) -> Tensor:
+    """``block_start [G + 1]`` (int32, on the device, no sync): exclusive prefix sum of ``ceil(rows / 32)``."""
+    blocks = (row_start_G1[1:] - row_start_G1[:-1] + BLOCK - 1) // BLOCK
+    return torch.cat([blocks.new_zeros(1), torch.cumsum(blocks, 0)]).to(torch.int32)
+
+
+def _launch(
+    src_RX: Tensor,
+    index_R: Tensor | None,
+    row_start_G1: Tensor,
+    block_start_G1: Tensor,
+    num_blocks: int,
+    data: Tensor,
+    scale: Tensor,
+    strides: tuple[int, int, int, int, int],
+    packed: bool,
+) -> None:
+    X = src_RX.shape[1]
+    G = row_start_G1.shape[0] - 1
+    if num_blocks == 0 or X == 0 or G == 0:
+        return
+    interpret = src_RX.device.type != "cuda"
+    block_x = min(triton.next_power_of_2(X), 32 if interpret else 128)
+    _quantize_segments_kernel[(num_blocks, triton.cdiv(X, block_x))](
+        src_RX,
+        index_R,
+        row_start_G1,
+        block_start_G1,
+        data.view(torch.uint8),
+        scale,
+        G,
+        X,
+        src_RX.stride(0),
+        *strides,
+        HAS_INDEX=index_R is not None,
+        PACKED=packed,
+        BINS=triton.next_power_of_2(G),
+        BLOCK_X=block_x,
+        num_warps=1 if interpret else 4,
+    )
+
+
+def quantize_segments(
+    src_RX: Tensor,
+    row_start_G1: Tensor,
+    block_start_G1: Tensor,
+    num_blocks: int,
+    *,
+    index_R: Tensor | None = None,
+) -> MXTensor:
+    """The packed wgrad operand: ``data [X, 32 num_blocks]`` E4M3 (segment g from column
+    ``32 block_start[g]``), codes ``[X, num_blocks]`` (stored block-major). ``num_blocks`` is a static
+    bound (``ceil(R / 32) + G``); columns past ``32 block_start[G]`` are left unwritten and never read.
+    Rows are ``src_RX[index_R[r]]`` when ``index_R`` is given (the fused dispatch gather)."""
+    if src_RX.dim() != 2 or src_RX.stride(1) != 1:
+        raise ValueError(
+            f"src_RX: expected a [R, X] tensor with unit column stride, got {tuple(src_RX.shape)}"
+        )
+    X = src_RX.shape[1]
+    data = torch.empty(X, num_blocks * BLOCK, dtype=torch.float8_e4m3fn, device=src_RX.device)
+    scale = torch.empty(num_blocks, X, dtype=torch.uint8, device=src_RX.device).t()
+    _launch(
+        src_RX,
+        index_R,
+        row_start_G1,
+        block_start_G1,
+        num_blocks,
+        data,
+        scale,
+        (0, data.stride(0), 0, scale.stride(0), scale.stride(1)),
+        packed=True,
+    )
+    return MXTensor(data=data, scale=scale, dim=1)
+
+
+def quantize_transposed_weight(w_GYX: Tensor, out: MXTensor) -> None:
+    """Write ``w^T [G, X, Y]`` blocked along Y (each expert alone) into ``out``: the dgrad weight form.
+
+    Equal to ``quantize_mx(w.transpose(1, 2), dim=-1)``; ``out.scale`` may be any strided ``[G, X, B]``.
+    """
+    G, Y, X = w_GYX.shape
+    w = w_GYX.contiguous()
+    nb = -(-Y // BLOCK)
+    if tuple(out.data.shape) != (G, X, Y) or not out.data.is_contiguous():
+        raise ValueError(f"out: expected contiguous MX buffers [{G}, {X}, {Y}], got {tuple(out.data.shape)}")
+    starts = torch.arange(G + 1, dtype=torch.int32, device=w.device)
+    _launch(
+        w.view(G * Y, X),
+        None,
+        starts * Y,
+        starts * nb,
+        G * nb,
+        out.data,
+        out.scale,
+        (X * Y, Y, out.scale.stride(0), out.scale.stride(1), out.scale.stride(2)),
+        packed=False,
+    )
