@@ -135,7 +135,9 @@ def _inputs(shape, routing: str, world: int, rank: int):
     return x, idx, tw, w1, w2
 
 
-def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[StageResult]:
+def bench_stages(
+    name: str, shape, routing: str, group, mode: str, dispatch_modes: tuple[str, ...] = ("push", "pull")
+) -> list[StageResult]:
     """T_comm, T_gemm, T_measured and the serial time of the fused ops of ``mode``.
 
     ``dispatch_grouped_gemm``: the ops that dispatch rows (forward stage 1, backward dy dispatch);
@@ -183,6 +185,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
         )
 
     remote = launch.RemoteOut(lay.row_src_R, lay.row_pos_R)
+    origins = (lay.row_src_R, lay.row_pos_R)
     remote_scalar = launch.RemoteOut(lay.row_src_R, lay.row_pos_R, wts.float())
 
     def fwd1_full():
@@ -191,7 +194,8 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
 
     def fwd1_comm():
         sb._exchange(plan, x, tw)  # [pull staging,] count exchange with the barrier, layout
-        gemm("gemm1", pool, w1, False, num_tiles_1=no_tiles, out_RN=h, push=sb._dispatch(plan, x, tw))
+        push = sb._dispatch(plan, x, tw)
+        gemm("gemm1", pool, w1, False, num_tiles_1=no_tiles, out_RN=h, push=push, local_rows=origins)
 
     def fwd1_gemm():
         gemm("gemm1", pool, w1, False, out_RN=h)
@@ -271,7 +275,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     ]
     results = []
     ops = dispatch_ops if mode == "dispatch_grouped_gemm" else combine_ops
-    for dispatch in launch.DISPATCH_MODES:  # every op that moves rows to the experts, both ways
+    for dispatch in dispatch_modes:  # every op that moves rows to the experts, both ways
         os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
         for stage, full, comm, gemm_leg, serial in ops:
             if "dispatch" not in stage:

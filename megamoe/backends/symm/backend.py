@@ -147,6 +147,7 @@ class SymmBackend:
             out_RN=h,
             push=self._dispatch(plan, x, weights_TK),
             wait=True,
+            local_rows=(lay.row_src_R, lay.row_pos_R),
         )
         weights = ws.view("pool_weight").to(topk_weights_TK.dtype)
         weights = torch.where(self._valid_rows(plan), weights, torch.zeros_like(weights))

@@ -182,6 +182,7 @@ def _push_rows(
     pool_ready_ptr,
     task_done_ptr,
     PUSH_WEIGHT: tl.constexpr,
+    LOCAL_A: tl.constexpr,
     COPY_ROWS: tl.constexpr,
     COPY_COLS: tl.constexpr,
 ):
@@ -216,6 +217,7 @@ def _push_rows(
                 task_done_ptr,
                 rows,
                 PUSH_WEIGHT,
+                LOCAL_A,
                 COPY_ROWS,
                 COPY_COLS,
             )
@@ -246,6 +248,7 @@ def _push_task(
     task_done_ptr,
     rows,
     PUSH_WEIGHT: tl.constexpr,
+    LOCAL_A: tl.constexpr,
     COPY_ROWS: tl.constexpr,
     COPY_COLS: tl.constexpr,
 ):
@@ -260,7 +263,8 @@ def _push_task(
         ok = (pos < s1) & (dest < pool_rows)
         token = tl.load(send_token_ptr + pos, mask=ok, other=0).to(tl.int64)
         dest64 = dest.to(tl.int64)
-        _copy_rows(src_ptr, token, pool, dest64, ok, H, COPY_COLS)
+        if (d != rank) | (LOCAL_A == 0):
+            _copy_rows(src_ptr, token, pool, dest64, ok, H, COPY_COLS)
         if PUSH_WEIGHT:
             slot = tl.load(send_slot_ptr + pos, mask=ok, other=0)
             w = tl.load(send_weight_ptr + slot, mask=ok, other=0.0).to(tl.float32)
@@ -323,6 +327,71 @@ def _pull_rows(
                     tl.store(pool_w_ptr + dest64, w, mask=ok)
             if _task_done(task_done_ptr, s * G + g, Q):
                 tl.atomic_xchg(pool_ready_ptr + s * G + g, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _gemm_tile(
+    tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr, send_token_ptr,
+    a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr, row_pos_ptr, tiles_ptr,
+    state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H, stride_a, stride_c, max_spins,
+    WAIT: tl.constexpr, LOCAL_A: tl.constexpr, OUT_REMOTE: tl.constexpr, ROW_SCALE: tl.constexpr,
+    PUSH_SCALAR: tl.constexpr, SKIP_MMA: tl.constexpr, B_KN: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """GEMM role, one tile: [wait for its expert's rows,] ``A[rows] @ B[expert]``, store locally or remotely.
+
+    Returns the expert whose rows are known to have landed (consecutive tiles mostly share one, so
+    its flags are polled once for them). ``LOCAL_A``: rows from this rank are read from ``src`` by
+    token (the comm role did not copy them into the pool).
+    """
+    pid_m, pid_n = _swizzle(tile_id, num_m, num_n, GROUP_M)
+    expert = tl.load(tiles_ptr + 3 * pid_m)
+    r0 = tl.load(tiles_ptr + 3 * pid_m + 1)
+    r_end = tl.load(tiles_ptr + 3 * pid_m + 2)
+    if WAIT:  # noqa: SIM102 (compile-time branch)
+        if expert != ready_expert:
+            for s in range(world):
+                if (s != rank) | (LOCAL_A == 0):
+                    _spin_until(
+                        pool_ready_ptr + s * G + expert, epoch, state_ptr, rank, _POOL, s * G + expert,
+                        max_spins,
+                    )  # fmt: skip
+            ready_expert = expert
+    n0 = pid_n * BLOCK_N
+    offs_m = r0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < r_end
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
+    if LOCAL_A:
+        local = mask_m & (tl.load(row_src_ptr + offs_m, mask=mask_m, other=0) == rank)
+        pos = tl.load(row_pos_ptr + offs_m, mask=local, other=0)
+        token = tl.load(send_token_ptr + pos, mask=local, other=0).to(tl.int64)
+        a_ptrs = tl.where(local[:, None], src_ptr + token[:, None] * H + offs_k[None, :], a_ptrs)
+    k_extent = 0 if SKIP_MMA else K
+    acc = tile_product(
+        a_ptrs, None, r0, mask_m, b_desc, expert, n0, k_extent, False, B_KN, BLOCK_M, BLOCK_N, BLOCK_K
+    )
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask = mask_m[:, None] & (offs_n < N)[None, :]
+    if ROW_SCALE:
+        acc = acc * tl.load(row_scale_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+    if OUT_REMOTE:
+        src = tl.load(row_src_ptr + offs_m, mask=mask_m, other=0)
+        pos = tl.load(row_pos_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        # each row to its source's copy of the combine slots: local pointer + the peer's shift
+        # (page-aligned bases, N % 8 == 0: the hint keeps 16-byte stores)
+        shift = tl.load(bases + src, mask=mask_m, other=0) - tl.load(bases + rank)
+        elem = comb_ptr.dtype.element_ty.primitive_bitwidth // 8
+        row = tl.multiple_of(shift // elem + pos * N, 8)
+        tl.store(comb_ptr + row[:, None] + offs_n[None, :], acc.to(comb_ptr.dtype.element_ty), mask=mask)
+        if PUSH_SCALAR:  # noqa: SIM102 (compile-time branch)
+            if pid_n == 0:
+                v = tl.load(scalar_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
+                tl.store(comb_scalar_ptr + shift // 4 + pos, v, mask=mask_m)
+    else:
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    return ready_expert
 
 
 @triton.jit(
@@ -396,6 +465,8 @@ def _fused_kernel(
     PUSH_SCALAR: tl.constexpr,
     SIGNAL: tl.constexpr,
     SKIP_MMA: tl.constexpr,
+    STATIC_TILES: tl.constexpr,
+    LOCAL_A: tl.constexpr,
     B_KN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -458,62 +529,35 @@ def _fused_kernel(
                     pool_ready_ptr,
                     task_done_ptr,
                     PUSH_WEIGHT,
+                    LOCAL_A,
                     COPY_ROWS,
                     COPY_COLS,
                 )
     num_m = tl.load(num_tiles_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
     total = num_m * num_n
-    k_extent = 0 if SKIP_MMA else K
-    offs_k = tl.arange(0, BLOCK_K)
-    ready_expert = -1
-    tile_id = tl.atomic_add(state_ptr + _TILE, 1)
-    while tile_id < total:
-        pid_m, pid_n = _swizzle(tile_id, num_m, num_n, GROUP_M)
-        expert = tl.load(tiles_ptr + 3 * pid_m)
-        r0 = tl.load(tiles_ptr + 3 * pid_m + 1)
-        r_end = tl.load(tiles_ptr + 3 * pid_m + 2)
-        if WAIT:  # noqa: SIM102 (compile-time branch)
-            if expert != ready_expert:  # consecutive tiles mostly share an expert: poll once for them
-                for s in range(world):
-                    _spin_until(
-                        pool_ready_ptr + s * G + expert,
-                        epoch,
-                        state_ptr,
-                        rank,
-                        _POOL,
-                        s * G + expert,
-                        max_spins,
-                    )
-                ready_expert = expert
-        n0 = pid_n * BLOCK_N
-        offs_m = r0 + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < r_end
-        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
-        acc = tile_product(
-            a_ptrs, None, r0, mask_m, b_desc, expert, n0, k_extent, False, B_KN, BLOCK_M, BLOCK_N, BLOCK_K
-        )
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask = mask_m[:, None] & (offs_n < N)[None, :]
-        if ROW_SCALE:
-            acc = acc * tl.load(row_scale_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-        if OUT_REMOTE:
-            src = tl.load(row_src_ptr + offs_m, mask=mask_m, other=0)
-            pos = tl.load(row_pos_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-            # each row to its source's copy of the combine slots: local pointer + the peer's shift
-            # (page-aligned bases, N % 8 == 0: the hint keeps 16-byte stores)
-            shift = tl.load(bases + src, mask=mask_m, other=0) - tl.load(bases + rank)
-            elem = comb_ptr.dtype.element_ty.primitive_bitwidth // 8
-            row = tl.multiple_of(shift // elem + pos * N, 8)
-            tl.store(comb_ptr + row[:, None] + offs_n[None, :], acc.to(comb_ptr.dtype.element_ty), mask=mask)
-            if PUSH_SCALAR:  # noqa: SIM102 (compile-time branch)
-                if pid_n == 0:
-                    v = tl.load(scalar_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
-                    tl.store(comb_scalar_ptr + shift // 4 + pos, v, mask=mask_m)
-        else:
-            c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    if STATIC_TILES:
+        # no program joins late (no comm role): a fixed stride lets Triton pipeline across tiles
+        for tile_id in tl.range(pid, total, num_programs, flatten=True):
+            _gemm_tile(
+                tile_id, -1, epoch, bases, rank, world, G, num_m, num_n, src_ptr, send_token_ptr,
+                a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr, row_pos_ptr, tiles_ptr,
+                state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H, stride_a, stride_c,
+                max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR, SKIP_MMA, B_KN,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            )  # fmt: skip
+    else:
+        ready_expert = -1
         tile_id = tl.atomic_add(state_ptr + _TILE, 1)
+        while tile_id < total:
+            ready_expert = _gemm_tile(
+                tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr,
+                send_token_ptr, a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr,
+                row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
+                stride_a, stride_c, max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR,
+                SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            )  # fmt: skip
+            tile_id = tl.atomic_add(state_ptr + _TILE, 1)
     # the last program out resets the counters for the next launch and, with SIGNAL, tells every
     # rank that all rows it is owed from here have landed
     tl.debug_barrier()

@@ -41,6 +41,23 @@ def comm_programs(device: torch.device) -> int:
     return int(os.environ.get("MEGAMOE_SYMM_COMM_PROGRAMS", "40"))
 
 
+def tile_schedule() -> str:
+    """``MEGAMOE_SYMM_TILES``: ``dynamic`` (a device tile counter) or ``static`` (a fixed stride, only
+    for launches without a comm role). Measurement knob."""
+    return os.environ.get("MEGAMOE_SYMM_TILES", "dynamic")
+
+
+def local_rows_from_source() -> bool:
+    """``MEGAMOE_SYMM_LOCAL_A=1``: stage 1's GEMM reads this rank's own rows from ``x``. Measurement knob."""
+    return os.environ.get("MEGAMOE_SYMM_LOCAL_A", "0") == "1"
+
+
+def copy_tile() -> tuple[int, int]:
+    """``MEGAMOE_SYMM_COPY=ROWSxCOLS``: the comm role's row-copy tile (default 16x512). Measurement knob."""
+    rows, cols = os.environ.get("MEGAMOE_SYMM_COPY", "16x512").split("x")
+    return int(rows), int(cols)
+
+
 def begin_op(ws: SymmWorkspace, counts_E: Tensor | None = None) -> None:
     """Bump the epoch and barrier with every EP rank; with ``counts_E``, also publish this rank's counts."""
     E = ws.key.num_experts
@@ -145,12 +162,18 @@ def fused_gemm(
     row_scale_R: Tensor | None = None,
     skip_mma: bool = False,
     num_comm: int | None = None,
+    local_rows: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """One launch of the fused kernel: optional row push, grouped GEMM ``A @ B[expert]``, local or remote out.
 
     ``skip_mma`` leaves out the K loop (tiles store zeros): the benchmark's communication-only leg.
     ``num_comm`` overrides :func:`comm_programs` (tests of the comm role alone, with no tiles).
+    ``local_rows`` (push mode): the pool rows' ``(source rank, send position)``; this rank's own rows are
+    then not copied into its pool, GEMM tiles read them from ``push.src_TH`` by token.
     """
+    local_a = local_rows is not None and push is not None and not push.pull and local_rows_from_source()
+    row_src, row_pos = (remote.row_src_R, remote.row_pos_R) if remote else (local_rows or (None, None))
+    copy_rows, copy_cols = copy_tile()
     cfg = gemm_config(op, a_RK.device)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if b_kn:
@@ -176,8 +199,8 @@ def fused_gemm(
         out_RN,
         row_scale_R,
         remote.scalar_R if remote else None,
-        remote.row_src_R if remote else None,
-        remote.row_pos_R if remote else None,
+        row_src,
+        row_pos,
         tiles_X3,
         num_tiles_1,
         ws.ptrs_dev,
@@ -215,13 +238,15 @@ def fused_gemm(
         PUSH_SCALAR=remote is not None and remote.scalar_R is not None,
         SIGNAL=remote is not None,
         SKIP_MMA=skip_mma,
+        STATIC_TILES=push is None and tile_schedule() == "static",
+        LOCAL_A=local_a,
         B_KN=b_kn,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
         GROUP_M=8,
-        COPY_ROWS=16,
-        COPY_COLS=512,
+        COPY_ROWS=copy_rows,
+        COPY_COLS=copy_cols,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

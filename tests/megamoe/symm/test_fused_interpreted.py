@@ -26,7 +26,10 @@ def _rank(rank: int, world: int, case: tuple, layers: int, dispatch: str) -> lis
 
     install()
     os.environ["MEGAMOE_EP_TRANSPORT"] = "symm"
-    os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
+    mode, *options = dispatch.split("+")
+    os.environ["MEGAMOE_SYMM_DISPATCH"] = mode
+    os.environ["MEGAMOE_SYMM_LOCAL_A"] = "1" if "local" in options else "0"
+    os.environ["MEGAMOE_SYMM_TILES"] = "static" if "static" in options else "dynamic"
     os.environ["MEGAMOE_SYMM_DEBUG"] = "1"
     os.environ["MEGAMOE_SYMM_MAX_TOKENS"] = str(max(max(t.shape[0] for t in layer) for layer in case[0]))
     out = []
@@ -77,9 +80,11 @@ def _check(results, case, world: int) -> None:
 
 
 DISPATCH = pytest.mark.parametrize("dispatch", ["push", "pull"])
+# push, plus stage 1 reading this rank's own rows from x and a fixed tile stride where no comm runs
+LAYER_DISPATCH = pytest.mark.parametrize("dispatch", ["push", "pull", "push+local+static"])
 
 
-@DISPATCH
+@LAYER_DISPATCH
 @pytest.mark.parametrize(
     ("tokens", "drop"),
     [([[11, 6]], 0.1), ([[9, 0]], 0.0)],
@@ -90,7 +95,7 @@ def test_fused_ep2_matches_reference(tmp_path, tokens, drop, dispatch) -> None:
     _check(run_ranks(_rank, 2, tmp_path, case, len(tokens), dispatch, timeout=600), case, 2)
 
 
-@DISPATCH
+@LAYER_DISPATCH
 def test_back_to_back_layers_reuse_one_workspace(tmp_path, dispatch) -> None:
     """Three layers with new routing each: every op overwrites the pools the previous one used."""
     case = _cases([[7, 5], [4, 9], [8, 8]], H=16, I=8, E=4, K=2, drop=0.2)
