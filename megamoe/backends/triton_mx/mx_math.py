@@ -108,3 +108,14 @@ def segment_of_block(block_start_ptr, block, G, BINS: tl.constexpr):
     ends = tl.load(block_start_ptr + 1 + bins, mask=bins < G, other=2147483647)
     g = tl.sum((ends <= block).to(tl.int32), axis=0)
     return g, tl.load(block_start_ptr + tl.minimum(g, G))
+
+
+@triton.jit
+def swizzle(tile_id, num_m, num_n, GROUP_M: tl.constexpr):
+    """``(m tile, n tile)`` of a persistent loop's ``tile_id``: GROUP_M row tiles share each column sweep
+    (L2 reuse of B), as in the bf16 grouped GEMM; a copy so the MX kernels do not import its privates."""
+    width = GROUP_M * num_n
+    group = tile_id // width
+    first_m = group * GROUP_M
+    size = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile_id % width) % size, (tile_id % width) // size

@@ -1,0 +1,157 @@
+"""K-grouped MXFP8 weight gradient: ``dW[g] = P_g^T Q_g`` summed over expert g's rows.
+
+Legend: R rows (expert-sorted), G local experts, M and N the weight's dimensions, NB block slots.
+The operands come from :func:`~megamoe.backends.triton_mx.quantize_segments.quantize_segments`: E4M3
+``P^T [M, 32 NB]`` and ``Q^T [N, 32 NB]`` (R contiguous, each expert's rows padded with zeros to whole
+blocks of 32 from column ``32 block_start[g]``) and E8M0 codes ``[M, NB]``, ``[N, NB]``::
+
+    for (g, m_tile, n_tile) in tiles[program_id::num_programs]:      # persistent, experts outermost
+        acc = 0
+        for kb in range(block_start[g], block_start[g + 1]):         # SUB per pipeline stage
+            acc += dot_e4m3(P^T[m:m+BM, 32kb:+32], Q^T[n:n+BN, 32kb:+32]^T) * (2**sp[m, kb] * 2**sq[n, kb])
+        dW[g, m:m+BM, n:n+BN] = acc                                  # zero for an expert without rows
+
+Both operands are K-major (what Hopper's FP8 MMA takes) and read by TMA through one host descriptor
+each: a segment's blocks never reach another expert's lanes, so no per-expert descriptor is needed.
+One fp32 sum per element in block order, no split-K, no atomics: the same bits on every run.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from megamoe.backends.triton_mx.mx_math import e8m0_to_float
+from megamoe.quant.mx import BLOCK, MXTensor
+
+
+@triton.jit
+def _scaled_block(
+    acc, p_desc, q_desc, sp_ptrs, sq_ptrs, mask_m, mask_n, m0, n0, kb, stride_ps_b, stride_qs_b
+):
+    """``acc + dot(P^T block kb, Q^T block kb)^T * (scale_p outer scale_q)``: one 32-deep scaled step."""
+    p = p_desc.load([m0, kb * 32])
+    q = q_desc.load([n0, kb * 32])
+    sp = tl.load(sp_ptrs + kb * stride_ps_b, mask=mask_m, other=127)
+    sq = tl.load(sq_ptrs + kb * stride_qs_b, mask=mask_n, other=127)
+    part = tl.dot(p, q.T, out_dtype=tl.float32)
+    return acc + part * (e8m0_to_float(sp)[:, None] * e8m0_to_float(sq)[None, :])
+
+
+@triton.jit
+def _mx_wgrad_kernel(
+    p_desc,
+    q_desc,
+    p_scale_ptr,
+    q_scale_ptr,
+    out_ptr,
+    block_start_ptr,
+    G,
+    M,
+    N,
+    stride_ps_m,
+    stride_ps_b,
+    stride_qs_n,
+    stride_qs_b,
+    num_programs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SUB: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_expert = num_m * num_n
+    for tile in tl.range(tl.program_id(0), G * per_expert, num_programs, flatten=True):
+        expert = tile // per_expert
+        local = tile % per_expert
+        width = GROUP_M * num_n
+        first_m = (local // width) * GROUP_M
+        size = tl.minimum(num_m - first_m, GROUP_M)
+        m0 = (first_m + (local % width) % size) * BLOCK_M
+        n0 = ((local % width) // size) * BLOCK_N
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        b0 = tl.load(block_start_ptr + expert)
+        b1 = tl.load(block_start_ptr + expert + 1)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        sp_ptrs = p_scale_ptr + offs_m * stride_ps_m
+        sq_ptrs = q_scale_ptr + offs_n * stride_qs_n
+        for kk in range(b0, b1, SUB):
+            if SUB == 1:  # no guard: keeps the loop body branch-free for the software pipeliner
+                acc = _scaled_block(
+                    acc,
+                    p_desc,
+                    q_desc,
+                    sp_ptrs,
+                    sq_ptrs,
+                    mask_m,
+                    mask_n,
+                    m0,
+                    n0,
+                    kk,
+                    stride_ps_b,
+                    stride_qs_b,
+                )
+            else:
+                for j in tl.static_range(SUB):
+                    if kk + j < b1:
+                        acc = _scaled_block(
+                            acc,
+                            p_desc,
+                            q_desc,
+                            sp_ptrs,
+                            sq_ptrs,
+                            mask_m,
+                            mask_n,
+                            m0,
+                            n0,
+                            kk + j,
+                            stride_ps_b,
+                            stride_qs_b,
+                        )
+        out_ptrs = out_ptr + expert.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def mx_wgrad(
+    p: MXTensor, q: MXTensor, out_GMN: Tensor, block_start_G1: Tensor, *, config: dict, num_sms: int
+) -> None:
+    """Write ``out_GMN[g] = P_g^T Q_g`` from the packed along-R operands ``p [M, 32 NB]``, ``q [N, 32 NB]``."""
+    G, M, N = out_GMN.shape
+    if p.data.shape != (M, q.data.shape[1]) or q.data.shape[0] != N or p.dim != 1 or q.dim != 1:
+        raise ValueError(
+            f"p {tuple(p.data.shape)}, q {tuple(q.data.shape)}: expected [M={M}, L] and [N={N}, L] blocked along L"
+        )
+    if G == 0 or M == 0 or N == 0:
+        return
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    p_desc = TensorDescriptor.from_tensor(p.data, [bm, BLOCK])
+    q_desc = TensorDescriptor.from_tensor(q.data, [bn, BLOCK])
+    grid_size = min(num_sms, G * triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    _mx_wgrad_kernel[(grid_size,)](
+        p_desc,
+        q_desc,
+        p.scale,
+        q.scale,
+        out_GMN,
+        block_start_G1,
+        G,
+        M,
+        N,
+        p.scale.stride(0),
+        p.scale.stride(1),
+        q.scale.stride(0),
+        q.scale.stride(1),
+        grid_size,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        SUB=config["SUB"],
+        GROUP_M=config.get("GROUP_M", 8),
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )

@@ -1,0 +1,108 @@
+"""The MX GEMM kernels against float64 products of the exactly dequantised operands.
+
+Bitwise equality is impossible (fp32 sums in another order), so: relative error per element small
+against the float64 product, and SNR >= 60 dB against the float32 emulation
+(:mod:`megamoe.backends.mxfp8_reference`'s math). Under ``TRITON_INTERPRET=1`` the interpreter runs
+the E4M3 dot by upcasting to fp16 and multiplying in fp32 (exact products), so these pin the kernels'
+indexing, scale handling, gather, tile table and ragged edges, not Hopper's MMA rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megamoe.backends.triton.configs import block_m, num_programs
+from megamoe.backends.triton.routing import build_routing_plan
+from megamoe.backends.triton_mx.configs import gemm_config, wgrad_config
+from megamoe.backends.triton_mx.grouped_gemm import mx_grouped_gemm
+from megamoe.backends.triton_mx.quantize_rows import quantize_rows
+from megamoe.backends.triton_mx.quantize_segments import quantize_segments, segment_block_starts
+from megamoe.backends.triton_mx.wgrad import mx_wgrad
+from megamoe.quant.accuracy import snr_db
+from megamoe.quant.mx import fake_quantize_mx, quantize_mx
+from tests.megamoe.triton_mx.test_quantize import DEVICE
+
+
+def spread(rows: int, cols: int, *, seed: int) -> torch.Tensor:
+    """Gaussian values times 2**U(-8, 8) per element: a wrong block or scale shows, nothing overflows."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=g) * torch.exp2(
+        torch.randint(-8, 9, (rows, cols), generator=g).float()
+    )
+
+
+def _routing(T: int, K: int, G: int, *, drop: float, empty: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, G, (T, K), generator=g)
+    idx[torch.rand(T, K, generator=g) < drop] = -1
+    idx[idx < empty] = -1
+    return idx
+
+
+@pytest.mark.parametrize(
+    ("T", "K", "G", "N", "KD", "gather"),
+    [(29, 3, 5, 40, 96, True), (29, 3, 5, 24, 80, False), (16, 2, 3, 16, 32, False)],
+    ids=["gather-ragged", "tma-short-k-block", "one-k-block"],
+)
+def test_mx_grouped_gemm_matches_dequantised_product(
+    T: int, K: int, G: int, N: int, KD: int, gather: bool
+) -> None:
+    idx = _routing(T, K, G, drop=0.2, empty=1)
+    plan = build_routing_plan(idx.to(DEVICE), num_experts=G, block_m=block_m(DEVICE))
+    valid = int(plan.expert_start_G1[-1])
+    rows = plan.row_token_R.long().cpu()[:valid]
+    src = spread(T if gather else T * K, KD, seed=1)
+    w = spread(G * N, KD, seed=2).reshape(G, N, KD)
+    a = quantize_rows(src.to(DEVICE))
+    b = quantize_mx(w.to(DEVICE), dim=-1)
+    out = torch.full((T * K, N), float("nan"), device=DEVICE)
+    mx_grouped_gemm(
+        a,
+        b,
+        out,
+        plan,
+        config=gemm_config(DEVICE),
+        num_sms=num_programs(DEVICE),
+        a_rows=plan.row_token_R if gather else None,
+    )
+    a_deq = fake_quantize_mx(src, dim=1).double()
+    a_deq = a_deq[rows] if gather else a_deq[:valid]
+    b_deq = fake_quantize_mx(w, dim=-1).double()
+    experts = torch.repeat_interleave(
+        torch.arange(G), (plan.expert_start_G1[1:] - plan.expert_start_G1[:-1]).cpu()
+    )
+    want = torch.einsum("rk,rnk->rn", a_deq, b_deq[experts])
+    got = out[:valid].double().cpu()
+    assert torch.isfinite(got).all()
+    scale = want.abs().amax(dim=1, keepdim=True).clamp_min(1e-300)
+    assert ((got - want).abs() / scale).max() < 1e-5
+    assert snr_db(got, want) >= 60.0
+
+
+@pytest.mark.parametrize(
+    "counts", [[0, 45, 32, 1, 0, 70], [16, 16, 16]], ids=["ragged-empty", "short-segments"]
+)
+def test_mx_wgrad_matches_per_expert_product_of_along_r_operands(counts: list[int]) -> None:
+    G, M, N = len(counts), 24, 40
+    R = sum(counts)
+    p_src, q_src = spread(R, M, seed=5), spread(R + 3, N, seed=6)
+    index = torch.randperm(R + 3, generator=torch.Generator().manual_seed(1))[:R]
+    starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    block_start = segment_block_starts(starts)
+    num_blocks = -(-R // 32) + G
+    p = quantize_segments(p_src.to(DEVICE), starts, block_start, num_blocks)
+    q = quantize_segments(
+        q_src.to(DEVICE), starts, block_start, num_blocks, index_R=index.to(torch.int32).to(DEVICE)
+    )
+    out = torch.full((G, M, N), float("nan"), device=DEVICE)
+    mx_wgrad(p, q, out, block_start, config=wgrad_config(DEVICE), num_sms=num_programs(DEVICE))
+    q_rows = q_src[index]
+    for g, (pc, qc) in enumerate(zip(p_src.split(counts), q_rows.split(counts), strict=True)):
+        want = fake_quantize_mx(pc, dim=0).double().t() @ fake_quantize_mx(qc, dim=0).double()
+        got = out[g].double().cpu()
+        if not counts[g]:
+            assert (got == 0).all(), f"expert {g} has no rows: zero gradient"
+            continue
+        assert snr_db(got, want) >= 60.0, f"expert {g}"
+        assert ((got - want).abs() / want.abs().max()).max() < 1e-5, f"expert {g}"
