@@ -5,8 +5,9 @@ Primus-Turbo's FlyDSL kernels for bf16 on ROCm when ``primus_turbo`` is installe
 PyTorch reference everywhere else.
 
 ``precision`` picks the number format of the expert GEMMs: ``bf16`` (the inputs' own dtype) or
-``mxfp8`` (:mod:`megamoe.quant`). MXFP8 runs on the exact emulation
-(:mod:`megamoe.backends.mxfp8_reference`) until a backend ships MXFP8 kernels.
+``mxfp8`` (:mod:`megamoe.quant`). MXFP8 has Triton kernels (:mod:`megamoe.backends.triton_mx`), which
+``auto`` picks for bf16 on CUDA, and the exact emulation (:mod:`megamoe.backends.mxfp8_reference`),
+the choice everywhere else.
 """
 
 from __future__ import annotations
@@ -29,6 +30,17 @@ def _load_mxfp8(name: str) -> ExpertBackend:
         from megamoe.backends.mxfp8_reference import MXFP8ReferenceBackend
 
         return MXFP8ReferenceBackend()
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise UnsupportedSettingError(
+                "backend",
+                name,
+                "triton is not installed",
+                "pip install 'megamoe[cuda]' or use backend='reference'",
+            )
+        from megamoe.backends.triton_mx.backend import MXFP8TritonBackend
+
+        return MXFP8TritonBackend()
     if name in BACKEND_NAMES:
         raise UnsupportedSettingError(
             "precision",
@@ -69,7 +81,8 @@ def resolve_backend_name(
     if name != "auto":
         return name
     if precision == "mxfp8":
-        return "reference"
+        cuda = device.type == "cuda" and dtype == torch.bfloat16 and torch.version.hip is None
+        return "triton" if cuda and importlib.util.find_spec("triton") is not None else "reference"
     if device.type == "cuda" and dtype == torch.bfloat16:
         if torch.version.hip is not None:
             return "primus_turbo" if importlib.util.find_spec("primus_turbo") is not None else "reference"

@@ -29,6 +29,7 @@ optimizer step reads the new weights.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,10 +70,31 @@ class _Entry:
     stamp: tuple[int, int, int] | None
 
 
-class WeightCache:
-    """MX forms of weights ``[G, Y, X]``, one entry per (live weight tensor, form), rewritten in place."""
+def _quantize_torch(source: Tensor, out: MXTensor) -> None:
+    quantize_mx(source, dim=-1, out=out)
 
-    def __init__(self) -> None:
+
+def _empty_torch(shape: tuple[int, ...], device: torch.device) -> MXTensor:
+    return empty_mx(shape, -1, device)
+
+
+class WeightCache:
+    """MX forms of weights ``[G, Y, X]``, one entry per (live weight tensor, form), rewritten in place.
+
+    ``quantize(source, out)`` fills an entry (``source`` is ``w`` or the view ``w.transpose(1, 2)``,
+    blocks along its last dim) and ``empty(shape, device)`` allocates one: a kernel backend passes its
+    own quantiser and scale layout (same values as :func:`~megamoe.quant.mx.quantize_mx`); the defaults
+    are the PyTorch ones.
+    """
+
+    def __init__(
+        self,
+        *,
+        quantize: Callable[[Tensor, MXTensor], None] = _quantize_torch,
+        empty: Callable[[tuple[int, ...], torch.device], MXTensor] = _empty_torch,
+    ) -> None:
+        self._quantize = quantize
+        self._empty = empty
         self._entries: dict[tuple[int, bool], _Entry] = {}
         self.hits = 0
         """forms served without quantising (for tests and logs)."""
@@ -97,7 +119,7 @@ class WeightCache:
         if stamp is not None and stamp == entry.stamp:
             self.hits += 1
             return entry.mx
-        quantize_mx(source, dim=-1, out=entry.mx)
+        self._quantize(source, entry.mx)
         entry.stamp = stamp
         self.misses += 1
         return entry.mx
@@ -109,7 +131,7 @@ class WeightCache:
             if key in entries and entries[key].ref is ref:
                 del entries[key]
 
-        entry = _Entry(ref=weakref.ref(w, forget), mx=empty_mx(tuple(source.shape), -1, w.device), stamp=None)
+        entry = _Entry(ref=weakref.ref(w, forget), mx=self._empty(tuple(source.shape), w.device), stamp=None)
         entries[key] = entry
         return entry
 

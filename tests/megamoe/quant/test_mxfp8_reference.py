@@ -129,14 +129,16 @@ def test_mxfp8_bf16_inputs_accuracy_vs_float64():
 
 def test_mxfp8_on_a_backend_without_mxfp8_kernels_names_the_setting():
     c = make_case(tokens=[4], hidden=32, inter=32, experts=2, topk=1, seed=6)
-    with pytest.raises(UnsupportedSettingError, match=r"^precision='mxfp8': backend 'triton' has no MXFP8"):
+    with pytest.raises(
+        UnsupportedSettingError, match=r"^precision='mxfp8': backend 'primus_turbo' has no MXFP8"
+    ):
         fused_mega_moe(
             c["x"][0],
             c["topk_idx"][0],
             c["topk_weights"][0],
             c["w1"],
             c["w2"],
-            backend="triton",
+            backend="primus_turbo",
             precision="mxfp8",
         )
 
