@@ -93,7 +93,7 @@ def test_triton_mxfp8_quantisers_bitwise_on_gpu_at_bench_sizes() -> None:
     x = torch.randn(8192, 7168, device="cuda", generator=g) * torch.exp2(
         torch.randint(-20, 21, (8192, 7168), device="cuda", generator=g).float()
     )
-    x[0, :64] = torch.tensor([float("nan"), float("inf"), 1e-40, 0.0] * 16)
+    x[0, :64] = torch.tensor([float("nan"), float("inf"), 1e-40, 0.0] * 16, device="cuda")
     for src in (x, x.bfloat16()):
         got, want = quantize_rows(src), quantize_mx(src, dim=1)
         assert torch.equal(got.scale, want.scale), _first_mismatch(got.scale, want.scale)
