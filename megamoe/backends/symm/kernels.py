@@ -404,6 +404,7 @@ def _gemm_tile(
         "stage_slots",
         "num_programs",
         "num_comm",
+        "tail_pct",
         "max_spins",
     ]
 )
@@ -455,6 +456,7 @@ def _fused_kernel(
     stride_c,
     num_programs,
     num_comm,
+    tail_pct,
     max_spins,
     COMM: tl.constexpr,
     PULL: tl.constexpr,
@@ -465,7 +467,6 @@ def _fused_kernel(
     PUSH_SCALAR: tl.constexpr,
     SIGNAL: tl.constexpr,
     SKIP_MMA: tl.constexpr,
-    STATIC_TILES: tl.constexpr,
     LOCAL_A: tl.constexpr,
     B_KN: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -536,28 +537,32 @@ def _fused_kernel(
     num_m = tl.load(num_tiles_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
     total = num_m * num_n
-    if STATIC_TILES:
-        # no program joins late (no comm role): a fixed stride lets Triton pipeline across tiles
-        for tile_id in tl.range(pid, total, num_programs, flatten=True):
-            _gemm_tile(
-                tile_id, -1, epoch, bases, rank, world, G, num_m, num_n, src_ptr, send_token_ptr,
-                a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr, row_pos_ptr, tiles_ptr,
-                state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H, stride_a, stride_c,
-                max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR, SKIP_MMA, B_KN,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-            )  # fmt: skip
-    else:
-        ready_expert = -1
-        tile_id = tl.atomic_add(state_ptr + _TILE, 1)
-        while tile_id < total:
-            ready_expert = _gemm_tile(
-                tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr,
-                send_token_ptr, a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr,
-                row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
-                stride_a, stride_c, max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR,
-                SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-            )  # fmt: skip
-            tile_id = tl.atomic_add(state_ptr + _TILE, 1)
+    # GEMM programs take the first tiles at a fixed stride (Triton then pipelines across tiles:
+    # measured 12 % faster than claiming each tile from a counter); the last ``tail_pct`` % are
+    # claimed from a device counter by whoever is free, so comm programs join when their rows are out
+    gemm_pid = pid - num_comm if COMM else pid
+    gemm_programs = num_programs - num_comm if COMM else num_programs
+    num_static = total - (total * tail_pct + 99) // 100 if COMM else total
+    first = tl.where(gemm_pid >= 0, gemm_pid, num_static)  # comm programs skip the fixed-stride part
+    ready_expert = -1
+    for tile_id in tl.range(first, num_static, gemm_programs, flatten=True):
+        ready_expert = _gemm_tile(
+            tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr,
+            send_token_ptr, a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr,
+            row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
+            stride_a, stride_c, max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR,
+            SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        )  # fmt: skip
+    tile_id = num_static + tl.atomic_add(state_ptr + _TILE, 1)
+    while tile_id < total:
+        ready_expert = _gemm_tile(
+            tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr,
+            send_token_ptr, a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr,
+            row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
+            stride_a, stride_c, max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR,
+            SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        )  # fmt: skip
+        tile_id = num_static + tl.atomic_add(state_ptr + _TILE, 1)
     # the last program out resets the counters for the next launch and, with SIGNAL, tells every
     # rank that all rows it is owed from here have landed
     tl.debug_barrier()

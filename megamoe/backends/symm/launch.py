@@ -41,21 +41,11 @@ def comm_programs(device: torch.device) -> int:
     return int(os.environ.get("MEGAMOE_SYMM_COMM_PROGRAMS", "40"))
 
 
-def tile_schedule() -> str:
-    """``MEGAMOE_SYMM_TILES``: ``dynamic`` (a device tile counter) or ``static`` (a fixed stride, only
-    for launches without a comm role). Measurement knob."""
-    return os.environ.get("MEGAMOE_SYMM_TILES", "dynamic")
-
-
-def local_rows_from_source() -> bool:
-    """``MEGAMOE_SYMM_LOCAL_A=1``: stage 1's GEMM reads this rank's own rows from ``x``. Measurement knob."""
-    return os.environ.get("MEGAMOE_SYMM_LOCAL_A", "0") == "1"
-
-
-def copy_tile() -> tuple[int, int]:
-    """``MEGAMOE_SYMM_COPY=ROWSxCOLS``: the comm role's row-copy tile (default 16x512). Measurement knob."""
-    rows, cols = os.environ.get("MEGAMOE_SYMM_COPY", "16x512").split("x")
-    return int(rows), int(cols)
+def tail_percent() -> int:
+    """Per cent of a comm launch's GEMM tiles claimed from a device counter (``MEGAMOE_SYMM_TAIL``,
+    default 25): the comm programs join the GEMM there once their rows are out; the GEMM programs
+    take the rest at a fixed stride."""
+    return int(os.environ.get("MEGAMOE_SYMM_TAIL", "25"))
 
 
 def begin_op(ws: SymmWorkspace, counts_E: Tensor | None = None) -> None:
@@ -171,9 +161,8 @@ def fused_gemm(
     ``local_rows`` (push mode): the pool rows' ``(source rank, send position)``; this rank's own rows are
     then not copied into its pool, GEMM tiles read them from ``push.src_TH`` by token.
     """
-    local_a = local_rows is not None and push is not None and not push.pull and local_rows_from_source()
+    local_a = local_rows is not None and push is not None and not push.pull
     row_src, row_pos = (remote.row_src_R, remote.row_pos_R) if remote else (local_rows or (None, None))
-    copy_rows, copy_cols = copy_tile()
     cfg = gemm_config(op, a_RK.device)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if b_kn:
@@ -228,6 +217,7 @@ def fused_gemm(
         out_RN.stride(0) if out_RN is not None else 0,
         grid,
         min(num_comm or comm_programs(a_RK.device), grid),
+        tail_percent(),
         max_spins(),
         COMM=push is not None,
         PULL=push is not None and push.pull,
@@ -238,15 +228,14 @@ def fused_gemm(
         PUSH_SCALAR=remote is not None and remote.scalar_R is not None,
         SIGNAL=remote is not None,
         SKIP_MMA=skip_mma,
-        STATIC_TILES=push is None and tile_schedule() == "static",
         LOCAL_A=local_a,
         B_KN=b_kn,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
         GROUP_M=8,
-        COPY_ROWS=copy_rows,
-        COPY_COLS=copy_cols,
+        COPY_ROWS=32,
+        COPY_COLS=512,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -26,10 +26,9 @@ def _rank(rank: int, world: int, case: tuple, layers: int, dispatch: str) -> lis
 
     install()
     os.environ["MEGAMOE_EP_TRANSPORT"] = "symm"
-    mode, *options = dispatch.split("+")
+    mode, _, tail = dispatch.partition("+tail")
     os.environ["MEGAMOE_SYMM_DISPATCH"] = mode
-    os.environ["MEGAMOE_SYMM_LOCAL_A"] = "1" if "local" in options else "0"
-    os.environ["MEGAMOE_SYMM_TILES"] = "static" if "static" in options else "dynamic"
+    os.environ["MEGAMOE_SYMM_TAIL"] = tail or "25"
     os.environ["MEGAMOE_SYMM_DEBUG"] = "1"
     os.environ["MEGAMOE_SYMM_MAX_TOKENS"] = str(max(max(t.shape[0] for t in layer) for layer in case[0]))
     out = []
@@ -80,8 +79,8 @@ def _check(results, case, world: int) -> None:
 
 
 DISPATCH = pytest.mark.parametrize("dispatch", ["push", "pull"])
-# push, plus stage 1 reading this rank's own rows from x and a fixed tile stride where no comm runs
-LAYER_DISPATCH = pytest.mark.parametrize("dispatch", ["push", "pull", "push+local+static"])
+# and push with every GEMM tile at a fixed stride (tail 0) or every one claimed from the counter (100)
+LAYER_DISPATCH = pytest.mark.parametrize("dispatch", ["push", "pull", "push+tail0", "push+tail100"])
 
 
 @LAYER_DISPATCH
