@@ -158,7 +158,7 @@ def bench_stages(
     E = w1.shape[0] * world
     sb = SymmBackend()
     plan = sb.make_plan(idx, num_experts=E, group=group)
-    h, wts = sb.stage1_forward(x, tw, w1, plan)
+    h, wts = sb.stage1_forward(x, tw, w1, plan)[:2]
     ws, lay, s = plan.ws, plan.layout, plan.send
     P, H, I = ws.pool_rows, x.shape[1], w2.shape[2]
     no_tiles = torch.zeros(1, dtype=torch.int32, device="cuda")
