@@ -68,9 +68,8 @@ def block_exponent(codes):
 def e8m0_to_float(codes):
     """Float32 value ``2**(code - 127)`` of E8M0 codes (any integer type), built from bits; 255 -> NaN."""
     c = codes.to(tl.int32)
-    value = (c << 23).to(tl.float32, bitcast=True)
-    value = tl.where(c == 0, 5.877471754111438e-39, value)  # 2**-127 is a float32 subnormal
-    return tl.where(c == 255, float("nan"), value)
+    bits = tl.where(c == 0, 0x00400000, c << 23)  # 2**-127 is a float32 subnormal
+    return tl.where(c == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit

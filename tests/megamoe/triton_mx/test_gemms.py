@@ -106,3 +106,18 @@ def test_mx_wgrad_matches_per_expert_product_of_along_r_operands(counts: list[in
             continue
         assert snr_db(got, want) >= 60.0, f"expert {g}"
         assert ((got - want).abs() / want.abs().max()).max() < 1e-5, f"expert {g}"
+
+
+def test_mx_grouped_gemm_nan_block_poisons_only_its_rows() -> None:
+    """A NaN in A gives its block the NaN scale code, which the GEMM turns into NaN (not 480 or inf)."""
+    T, KD, N = 16, 64, 16
+    idx = torch.zeros(T, 1, dtype=torch.int64)
+    plan = build_routing_plan(idx.to(DEVICE), num_experts=1, block_m=block_m(DEVICE))
+    src = spread(T, KD, seed=7)
+    src[3, 5] = float("nan")
+    out = torch.empty(T, N, device=DEVICE)
+    b = quantize_mx(spread(N, KD, seed=8).reshape(1, N, KD).to(DEVICE), dim=-1)
+    a = quantize_rows(src.to(DEVICE))
+    mx_grouped_gemm(a, b, out, plan, config=gemm_config(DEVICE), num_sms=num_programs(DEVICE))
+    assert a.scale[3, 0] == 255
+    assert torch.isnan(out[3]).all() and torch.isfinite(out[torch.arange(T) != 3]).all()
