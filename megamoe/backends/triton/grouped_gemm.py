@@ -12,6 +12,17 @@ One kernel serves every row-grouped GEMM of the expert path (GEMM1, GEMM2 and bo
             acc += a @ B[expert, n:n+BN, k:k+BK]^T   (B_KN: B[expert, k:k+BK, n:n+BN])  # TMA
         C[r0:r_end, n:n+BN] = acc
 
+GEMM1 with the SwiGLU epilogue (``act`` given; B = W1 ``[G, 2I, K]``, gate rows 0:I, up rows I:2I): a
+tile covers the BN/2 gate columns ``[n, n+BN/2)`` and the same BN/2 up columns, B read through a
+rank-4 TMA descriptor over the view ``W1[G, 2, I, K]`` (block ``[1, 2, BN/2, BK]``: no copy of the
+weights), so the MMA is still one ``BM x BN`` dot and the epilogue holds both halves::
+
+        gate, up = split(acc.to(C.dtype))                                 # [BM, BN/2] each
+        C[.., n:n+BN/2] = gate;  C[.., I+n:I+n+BN/2] = up;  act[.., n:n+BN/2] = silu(gate) * up
+
+SwiGLU is computed in fp32 from the gate/up values rounded to C's dtype, by the formula of the
+separate pass (``swiglu.swiglu_tile``), so ``act`` has the bits that pass would give from ``C``.
+
 Rows past a tile's segment end are never stored (they belong to the next expert's tile), so no
 expert is padded in memory. B is read through a rank-3 TMA descriptor ``[G, N, K]`` whose bounds
 zero-fill ragged K and N. The row gather (A_MODE 1, GEMM1's fused dispatch) measured faster on an
@@ -28,6 +39,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.backends.triton.routing import RoutingPlan
+from megamoe.backends.triton.swiglu import swiglu_tile
 
 
 @triton.jit
@@ -54,9 +66,12 @@ def tile_product(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GATE_UP: tl.constexpr = False,
 ):
     """``A[tile rows] @ B[expert][n0:n0+BLOCK_N]^T`` in fp32: A by TMA from row ``r0`` (``A_TMA``) or through
-    the row pointers ``a_ptrs`` (rows outside ``mask_m`` read as zero); B by TMA, ``[K, N]`` if ``B_KN``."""
+    the row pointers ``a_ptrs`` (rows outside ``mask_m`` read as zero); B by TMA, ``[K, N]`` if ``B_KN``.
+    ``GATE_UP``: ``b_desc`` is rank 4 over ``[G, 2, N/2, K]`` and the tile's B rows are the BLOCK_N/2 gate rows
+    from ``n0`` then the same up rows (accumulator columns ``0:BLOCK_N/2`` gate, the rest up)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ki in range(tl.cdiv(K, BLOCK_K)):
@@ -66,7 +81,10 @@ def tile_product(
         else:
             a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
             a_ptrs += BLOCK_K
-        if B_KN:
+        if GATE_UP:
+            b = b_desc.load([expert, 0, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, b.T, acc)
+        elif B_KN:
             b = b_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
             acc = tl.dot(a, b, acc)
         else:
@@ -83,6 +101,7 @@ def _grouped_gemm_kernel(
     a_rows_ptr,
     b_desc,
     c_ptr,
+    act_ptr,
     tiles_ptr,
     num_tiles_ptr,
     # sizes and strides
@@ -90,24 +109,28 @@ def _grouped_gemm_kernel(
     K,
     stride_a,
     stride_c,
+    stride_act,
     num_programs,
     # meta-parameters
     A_MODE: tl.constexpr,
     B_KN: tl.constexpr,
+    SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     num_m = tl.load(num_tiles_ptr)
-    num_n = tl.cdiv(N, BLOCK_N)
+    HALF: tl.constexpr = BLOCK_N // 2
+    inter = N // 2  # SWIGLU: C is [R, 2I] and a tile owns HALF columns of each half
+    num_n = tl.cdiv(inter, HALF) if SWIGLU else tl.cdiv(N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile_id in tl.range(tl.program_id(0), num_m * num_n, num_programs, flatten=True):
         pid_m, pid_n = _swizzle(tile_id, num_m, num_n, GROUP_M)
         expert = tl.load(tiles_ptr + 3 * pid_m)
         r0 = tl.load(tiles_ptr + 3 * pid_m + 1)
         r_end = tl.load(tiles_ptr + 3 * pid_m + 2)
-        n0 = pid_n * BLOCK_N
+        n0 = pid_n * (HALF if SWIGLU else BLOCK_N)
         offs_m = r0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < r_end
         if A_MODE == 1:
@@ -116,12 +139,37 @@ def _grouped_gemm_kernel(
         else:
             a_ptrs = a_ptr
         acc = tile_product(
-            a_ptrs, a_desc, r0, mask_m, b_desc, expert, n0, K, A_MODE == 0, B_KN, BLOCK_M, BLOCK_N, BLOCK_K
+            a_ptrs,
+            a_desc,
+            r0,
+            mask_m,
+            b_desc,
+            expert,
+            n0,
+            K,
+            A_MODE == 0,
+            B_KN,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            GATE_UP=SWIGLU,
         )
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        rows64 = offs_m.to(tl.int64)[:, None]
+        if SWIGLU:
+            h = acc.to(c_ptr.dtype.element_ty)
+            gate, up = tl.split(tl.permute(tl.reshape(h, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+            offs_n = n0 + tl.arange(0, HALF)
+            mask = mask_m[:, None] & (offs_n < inter)[None, :]
+            c_ptrs = c_ptr + rows64 * stride_c + offs_n[None, :]
+            tl.store(c_ptrs, gate, mask=mask)
+            tl.store(c_ptrs + inter, up, mask=mask)
+            act = swiglu_tile(gate, up).to(act_ptr.dtype.element_ty)
+            tl.store(act_ptr + rows64 * stride_act + offs_n[None, :], act, mask=mask)
+        else:
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < N
+            c_ptrs = c_ptr + rows64 * stride_c + offs_n[None, :]
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def grouped_gemm(
@@ -135,38 +183,55 @@ def grouped_gemm(
     config: dict,
     num_sms: int,
     a_rows: Tensor | None = None,
+    act: Tensor | None = None,
 ) -> None:
     """Launch :func:`_grouped_gemm_kernel` writing ``out`` (rows of the plan's tiles only).
 
     ``b_GNK`` is ``[G, N, K]`` (``b_kn=False``) or ``[G, K, N]`` (``b_kn=True``), contiguous.
     ``a`` is ``[R, K]`` expert-sorted (``a_mode=0``) or ``[T, K]`` gathered through ``a_rows`` (``a_mode=1``).
+    ``act [R, N/2]`` (GEMM1 only, ``b_kn=False``): also write ``silu(out[:, :N/2]) * out[:, N/2:]`` there.
     """
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     if bm != plan.block_m:
         raise ValueError(f"BLOCK_M={bm} must equal the plan's block_m={plan.block_m}")
-    if b_kn:
+    if act is not None:
+        if b_kn:
+            raise ValueError("the SwiGLU epilogue (act given) needs b_kn=False: B is W1 [G, 2I, K]")
+        G, N, K = b_GNK.shape
+        if N % 2 or tuple(act.shape) != (out.shape[0], N // 2):
+            raise ValueError(
+                f"act must be [R={out.shape[0]}, {N // 2}] for B [G, {N}, K], got {tuple(act.shape)}"
+            )
+        b_desc = TensorDescriptor.from_tensor(b_GNK.view(G, 2, N // 2, K), [1, 2, bn // 2, bk])
+        num_n = triton.cdiv(N // 2, bn // 2)
+    elif b_kn:
         K, N = b_GNK.shape[1], b_GNK.shape[2]
         b_desc = TensorDescriptor.from_tensor(b_GNK, [1, bk, bn])
     else:
         N, K = b_GNK.shape[1], b_GNK.shape[2]
         b_desc = TensorDescriptor.from_tensor(b_GNK, [1, bn, bk])
+    if act is None:
+        num_n = triton.cdiv(N, bn)
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk]) if a_mode == 0 else None
-    grid_size = min(num_sms, plan.max_tiles * triton.cdiv(N, bn))
+    grid_size = min(num_sms, plan.max_tiles * num_n)
     _grouped_gemm_kernel[(grid_size,)](
         a,
         a_desc,
         a_rows,
         b_desc,
         out,
+        act,
         plan.tiles_X3,
         plan.num_tiles_1,
         N,
         K,
         a.stride(0),
         out.stride(0),
+        act.stride(0) if act is not None else 0,
         grid_size,
         A_MODE=a_mode,
         B_KN=b_kn,
+        SWIGLU=act is not None,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,

@@ -9,10 +9,13 @@ Legend: R rows (expert-sorted; rows ``>= valid`` are padding), I intermediate, h
               aw[r]    = w_r a[r]                            (the operand of dW2)
               padding rows: dh = 0, d_w = 0
 
-Why not in the GEMMs: measured on an H200, computing SwiGLU in GEMM2's operand load (A from
-registers) ran GEMM2 at ~270 TFLOP/s instead of ~640 with a TMA-fed A, and the SwiGLU-backward
-epilogue on GEMM2-dgrad (four live [128, 128] fp32 tiles) dropped it from ~680 to ~300; one extra
-pass over ``[R, 2I]`` costs far less (see docs/kernels.md).
+The forward also runs in GEMM1's epilogue (grouped_gemm.py), through :func:`swiglu_tile`, the one
+formula both use, so the two give the same bits; this pass serves the fused EP kernels
+(``backends/symm``) and a stage 2 handed an ``h`` without its activation. Why the backward and GEMM2's
+side are not fused: measured on an H200, computing SwiGLU in GEMM2's operand load (A from registers)
+ran GEMM2 at ~270 TFLOP/s instead of ~640 with a TMA-fed A, and the SwiGLU-backward epilogue on
+GEMM2-dgrad (four live [128, 128] fp32 tiles) dropped it from ~680 to ~300; one extra pass over
+``[R, 2I]`` costs far less (see docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -23,15 +26,23 @@ from torch import Tensor
 
 
 @triton.jit
+def swiglu_tile(gate, up):
+    """``silu(gate) * up`` in fp32 from tiles of h's dtype: the one formula of this pass and of
+    GEMM1's epilogue (grouped_gemm.py), so both give the same bits."""
+    gate = gate.to(tl.float32)
+    return gate * tl.sigmoid(gate) * up.to(tl.float32)
+
+
+@triton.jit
 def _swiglu_forward_kernel(h_ptr, a_ptr, valid_ptr, I, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
     valid = tl.load(valid_ptr)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < valid)[:, None] & (cols < I)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    gate = tl.load(h_ptr + rows64 * (2 * I) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + rows64 * (2 * I) + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    act = gate * tl.sigmoid(gate) * up
+    gate = tl.load(h_ptr + rows64 * (2 * I) + cols[None, :], mask=mask, other=0.0)
+    up = tl.load(h_ptr + rows64 * (2 * I) + I + cols[None, :], mask=mask, other=0.0)
+    act = swiglu_tile(gate, up)
     tl.store(a_ptr + rows64 * I + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=mask)
 
 
