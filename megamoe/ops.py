@@ -7,10 +7,12 @@ experts, W EP ranks, K top-k, R rows routed to this rank's experts.
 
 * :func:`dispatch_grouped_gemm` (stage 1): tokens to the ranks owning their experts, then
   ``h = x W1^T`` per expert. Returns ``h [R, 2I]``, the routing weight of each row
-  ``dispatch_weights [R]`` and a :class:`MegaMoEHandle` for stage 2.
-* :func:`grouped_gemm_combine` (stage 2): SwiGLU, ``W2``, rows back to their source rank, weighted sum
-  over the K slots. The gradient of the routing weights rides ``dispatch_weights`` back through
-  stage 1 (Primus-Turbo's split), so ``topk_weights`` gets its gradient.
+  ``dispatch_weights [R]`` and a :class:`MegaMoEHandle` for stage 2. A backend that computes
+  ``act = silu(gate) * up`` in GEMM1's epilogue leaves it in the handle, tied to this ``h``.
+* :func:`grouped_gemm_combine` (stage 2): SwiGLU (skipped when the handle's ``act`` belongs to the
+  ``h`` passed in), ``W2``, rows back to their source rank, weighted sum over the K slots. The gradient
+  of the routing weights rides ``dispatch_weights`` back through stage 1 (Primus-Turbo's split), so
+  ``topk_weights`` gets its gradient.
 * :func:`fused_mega_moe` is both stages.
 
 Stage 1 saves only ``x`` and ``w1``: its backward dispatches ``x`` again for dW1 rather than keeping
@@ -19,7 +21,7 @@ the dispatched copy (K times the size of ``x``). ``topk_idx == -1`` marks a drop
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,11 +34,26 @@ from megamoe.errors import InvalidConfigError, MegaMoEError, shape_error
 
 @dataclass(frozen=True, slots=True)
 class MegaMoEHandle:
-    """What stage 2 needs from stage 1: the backend and its routing plan."""
+    """What stage 2 needs from stage 1: the backend and its routing plan, and the activation if stage 1
+    computed one."""
 
     backend: ExpertBackend
     plan: Any
     num_tokens: int
+    act: Tensor | None = None
+    """``silu(gate) * up [R, I]`` from stage 1 (GEMM1's epilogue), or None: stage 2 runs SwiGLU."""
+    act_of: tuple[Tensor, int] | None = None
+    """The ``h`` that ``act`` was computed from and its version counter: stage 2 uses ``act`` only for
+    that very tensor, unmodified (a new or in-place changed ``h`` gets a fresh SwiGLU). Under
+    torch.compile only the identity is checked: dynamo cannot compare version counters."""
+
+    def act_for(self, h: Tensor) -> Tensor | None:
+        """The stage-1 activation if it belongs to ``h``, else None."""
+        if self.act is None or self.act_of is None or h is not self.act_of[0]:
+            return None
+        if torch.compiler.is_compiling():
+            return self.act
+        return self.act if h._version == self.act_of[1] else None
 
 
 def _ep_size(group: dist.ProcessGroup | None) -> int:
@@ -72,7 +89,7 @@ def _validate(
     if len(devices) > 1:
         raise InvalidConfigError("device", sorted(map(str, devices)), "all inputs must be on one device")
     num_experts = G * ep
-    if x.device.type == "cpu" and topk_idx.numel():
+    if x.device.type == "cpu" and topk_idx.numel() and not torch.compiler.is_compiling():
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         if lo < -1 or hi >= num_experts:
             raise InvalidConfigError(
@@ -107,15 +124,20 @@ def _agree_on_errors(
 
 
 class _DispatchGroupedGemm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_weights, w1, handle: MegaMoEHandle):
-        h, dispatch_weights = handle.backend.stage1_forward(x, topk_weights, w1, handle.plan)
-        ctx.save_for_backward(x, w1)
-        ctx.handle = handle
-        return h, dispatch_weights
+    """``(h, dispatch_weights, act)``; ``act`` is empty when the backend gave none, never differentiable."""
 
     @staticmethod
-    def backward(ctx, grad_h, grad_dispatch_weights):
+    def forward(ctx, x, topk_weights, w1, handle: MegaMoEHandle):
+        h, dispatch_weights, act = handle.backend.stage1_forward(x, topk_weights, w1, handle.plan)
+        if act is None:
+            act = h.new_empty(0)
+        ctx.mark_non_differentiable(act)
+        ctx.save_for_backward(x, w1)
+        ctx.handle = handle
+        return h, dispatch_weights, act
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_dispatch_weights, grad_act):
         x, w1 = ctx.saved_tensors
         handle: MegaMoEHandle = ctx.handle
         needs = tuple(ctx.needs_input_grad[:3])
@@ -126,9 +148,12 @@ class _DispatchGroupedGemm(torch.autograd.Function):
 
 
 class _GroupedGemmCombine(torch.autograd.Function):
+    """``y`` from ``h`` (or from ``act``, stage 1's ``swiglu(h)``, when not empty); saves ``h`` only."""
+
     @staticmethod
-    def forward(ctx, h, dispatch_weights, w2, handle: MegaMoEHandle):
-        y = handle.backend.stage2_forward(h, dispatch_weights, w2, handle.plan)
+    def forward(ctx, h, dispatch_weights, w2, handle: MegaMoEHandle, act=None):
+        act = act if act is not None and act.numel() else None
+        y = handle.backend.stage2_forward(h, dispatch_weights, w2, handle.plan, act)
         ctx.save_for_backward(h, dispatch_weights, w2)
         ctx.handle = handle
         return y
@@ -141,7 +166,7 @@ class _GroupedGemmCombine(torch.autograd.Function):
         dh, d_dispatch_weights, dw2 = handle.backend.stage2_backward(
             h, dispatch_weights, w2, handle.plan, dy.contiguous(), needs
         )
-        return dh, d_dispatch_weights, dw2, None
+        return dh, d_dispatch_weights, dw2, None, None
 
 
 def _select_backend(
@@ -187,19 +212,28 @@ def dispatch_grouped_gemm(
         h, dispatch_weights, plan = impl.stage1(x, topk_idx, topk_weights, w1, group)
         return h, dispatch_weights, MegaMoEHandle(impl, plan, x.shape[0])
     handle = _make_handle(impl, x, topk_idx, w1, group)
-    h, dispatch_weights = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
+    h, dispatch_weights, act = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
+    if act.numel():
+        version = 0 if torch.compiler.is_compiling() else h._version
+        handle = replace(handle, act=act, act_of=(h, version))
     return h, dispatch_weights, handle
 
 
 def grouped_gemm_combine(h: Tensor, dispatch_weights: Tensor, handle: MegaMoEHandle, w2: Tensor) -> Tensor:
-    """Stage 2: SwiGLU + GEMM2 + combine + weighted top-k reduce. Returns ``y [T, H]``."""
+    """Stage 2: SwiGLU + GEMM2 + combine + weighted top-k reduce. Returns ``y [T, H]``.
+
+    The SwiGLU is skipped when ``handle`` carries stage 1's activation of this very ``h`` (unmodified).
+    """
     if h.dim() != 2 or w2.dim() != 3 or h.shape[1] != 2 * w2.shape[2]:
         raise shape_error("h", h.shape, f"[R, 2I] matching w2 {tuple(w2.shape)} = [G, H, I]")
     if w2.dtype != h.dtype:
         raise InvalidConfigError("w2.dtype", w2.dtype, f"must equal the activations' dtype {h.dtype}")
     if getattr(handle.backend, "native_autograd", False):
         return handle.backend.stage2(h, dispatch_weights, handle.plan, w2, handle.num_tokens)
-    return _GroupedGemmCombine.apply(h, dispatch_weights, w2, handle)
+    act = handle.act_for(h)
+    # the backward keeps the handle: without act (freed after the forward) and without a second ref to h
+    bare = handle if handle.act is None else replace(handle, act=None, act_of=None)
+    return _GroupedGemmCombine.apply(h, dispatch_weights, w2, bare, h.new_empty(0) if act is None else act)
 
 
 def fused_mega_moe(
@@ -225,5 +259,5 @@ def fused_mega_moe(
     if getattr(impl, "native_autograd", False):
         return impl.fused(x, topk_idx, topk_weights, w1, w2, group)
     handle = _make_handle(impl, x, topk_idx, w1, group)
-    h, dispatch_weights = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
-    return _GroupedGemmCombine.apply(h, dispatch_weights, w2, handle)
+    h, dispatch_weights, act = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
+    return _GroupedGemmCombine.apply(h, dispatch_weights, w2, handle, act)

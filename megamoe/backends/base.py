@@ -6,7 +6,11 @@ computes (the (token, k) pairs routed to its experts, from every EP rank, sorted
 The autograd functions in :mod:`megamoe.ops` own the graph; a backend only computes. The split is
 Primus-Turbo's: stage 1 = dispatch + GEMM1 (``h = x W1^T``, pre-SwiGLU), stage 2 = SwiGLU + GEMM2 +
 combine with the routing weights. The routing weight of each dispatched row travels with stage 1
-(``dispatch_weights [R]``) so that its gradient flows back through stage 1's backward.
+(``dispatch_weights [R]``) so that its gradient flows back through stage 1's backward. A backend may
+also compute the activation ``act = swiglu(h)`` in stage 1 (the Triton backend does, in GEMM1's
+epilogue) and hand it over; stage 2 then skips its SwiGLU. ``h`` stays the differentiable output
+(stage 2's backward needs it), ``act`` is a forward-only side channel that :mod:`megamoe.ops` passes
+on only for the unmodified ``h`` it belongs to.
 
 A backend's ``plan`` is opaque to :mod:`megamoe.ops`: it is built once per forward from ``topk_idx``
 and handed back to every other call (forward and backward), so a backend can keep its routing tables,
@@ -34,8 +38,9 @@ class ExpertBackend(Protocol):
 
     def stage1_forward(
         self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: Any
-    ) -> tuple[Tensor, Tensor]:
-        """Dispatch + GEMM1: return ``h_R2I`` (pre-SwiGLU) and ``dispatch_weights_R``."""
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Dispatch + GEMM1: return ``h_R2I`` (pre-SwiGLU), ``dispatch_weights_R`` and ``act_RI``:
+        ``swiglu(h_R2I)`` when the backend computed it alongside ``h`` (same bits), else None."""
         ...
 
     def stage1_backward(
@@ -50,8 +55,17 @@ class ExpertBackend(Protocol):
         """Return ``(dx_TH, d_topk_weights_TK, dw1_G2IH)``; recomputes the dispatched x for dW1."""
         ...
 
-    def stage2_forward(self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: Any) -> Tensor:
-        """SwiGLU + GEMM2 + weighted combine back to the source ranks: return ``y_TH``."""
+    def stage2_forward(
+        self,
+        h_R2I: Tensor,
+        dispatch_weights_R: Tensor,
+        w2_GHI: Tensor,
+        plan: Any,
+        act_RI: Tensor | None = None,
+    ) -> Tensor:
+        """SwiGLU + GEMM2 + weighted combine back to the source ranks: return ``y_TH``.
+
+        ``act_RI``, stage 1's ``swiglu(h_R2I)`` when it made one, replaces the SwiGLU step."""
         ...
 
     def stage2_backward(

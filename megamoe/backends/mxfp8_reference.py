@@ -97,13 +97,13 @@ class MXFP8ReferenceBackend:
 
     def stage1_forward(
         self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: TokenExchange
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, None]:
         cdt = _compute_dtype(x_TH.dtype)
         x_RH = _rowwise(plan.dispatch_tokens(x_TH), cdt)
         h_R2I = _per_expert_matmul(
             x_RH, self._weight(w1_G2IH, transposed=False, dtype=cdt), plan.tokens_per_expert
         )
-        return h_R2I.to(x_TH.dtype), plan.dispatch_slot_values(topk_weights_TK)
+        return h_R2I.to(x_TH.dtype), plan.dispatch_slot_values(topk_weights_TK), None
 
     def stage1_backward(
         self,
@@ -133,7 +133,12 @@ class MXFP8ReferenceBackend:
         return dx, d_weights, dw1
 
     def stage2_forward(
-        self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: TokenExchange
+        self,
+        h_R2I: Tensor,
+        dispatch_weights_R: Tensor,
+        w2_GHI: Tensor,
+        plan: TokenExchange,
+        act_RI: Tensor | None = None,
     ) -> Tensor:
         cdt = _compute_dtype(h_R2I.dtype)
         a_RI = _rowwise(swiglu(h_R2I.to(cdt)), cdt)

@@ -56,10 +56,10 @@ class ReferenceBackend:
 
     def stage1_forward(
         self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: TokenExchange
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, None]:
         x_RH = plan.dispatch_tokens(x_TH)
         h_R2I = _per_expert_matmul(x_RH, w1_G2IH, plan.tokens_per_expert)
-        return h_R2I, plan.dispatch_slot_values(topk_weights_TK)
+        return h_R2I, plan.dispatch_slot_values(topk_weights_TK), None
 
     def stage1_backward(
         self,
@@ -85,9 +85,14 @@ class ReferenceBackend:
         return dx, d_weights, dw1
 
     def stage2_forward(
-        self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: TokenExchange
+        self,
+        h_R2I: Tensor,
+        dispatch_weights_R: Tensor,
+        w2_GHI: Tensor,
+        plan: TokenExchange,
+        act_RI: Tensor | None = None,
     ) -> Tensor:
-        a_RI = swiglu(h_R2I)
+        a_RI = swiglu(h_R2I) if act_RI is None else act_RI
         o_RH = _per_expert_matmul(a_RI, w2_GHI, plan.tokens_per_expert)
         weighted = o_RH.to(_acc_dtype(o_RH.dtype)) * dispatch_weights_R.to(_acc_dtype(o_RH.dtype)).unsqueeze(
             1

@@ -131,7 +131,7 @@ class SymmBackend:
 
     def stage1_forward(
         self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: SymmPlan
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, None]:
         x, weights_TK = x_TH.contiguous(), topk_weights_TK.contiguous()
         self._exchange(plan, x, weights_TK)
         ws, lay = plan.ws, plan.layout
@@ -152,10 +152,10 @@ class SymmBackend:
         weights = ws.view("pool_weight").to(topk_weights_TK.dtype)
         weights = torch.where(self._valid_rows(plan), weights, torch.zeros_like(weights))
         launch.check(ws)
-        return h, weights
+        return h, weights, None  # no activation: stage 2 runs the SwiGLU pass
 
     def stage2_forward(
-        self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: SymmPlan
+        self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: SymmPlan, act_RI: None = None
     ) -> Tensor:
         ws, lay, s = plan.ws, plan.layout, plan.send
         self._begin(plan)

@@ -6,8 +6,9 @@ One GPU (no group, or a group of one): the plan is device-side routing tables of
 (R = T*K rows, dropped slots padded at the end), so nothing syncs with the host and the op captures
 in a CUDA graph. The dispatch is a row gather inside GEMM1, so the forward never materialises the
 dispatched ``x`` (backward gathers ``x`` and ``dy`` transiently for the TMA-fed weight gradients);
-SwiGLU and its backward are one memory pass each between the GEMMs; the combine is a deterministic
-fixed-order gather-reduce. docs/kernels.md has the measurements behind each choice.
+SwiGLU runs in GEMM1's epilogue (stage 1 hands ``act`` to stage 2 alongside ``h``) and its backward is
+one memory pass between the GEMMs; the combine is a deterministic fixed-order gather-reduce.
+docs/kernels.md has the measurements behind each choice.
 
 EP > 1, two transports (``MEGAMOE_EP_TRANSPORT``):
 
@@ -80,8 +81,8 @@ class TritonBackend:
 
     def stage1_forward(
         self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: TritonPlan | SymmPlan
-    ) -> tuple[Tensor, Tensor]:
-        if isinstance(plan, SymmPlan):
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        if isinstance(plan, SymmPlan):  # the fused EP kernels run SwiGLU as a pass in stage 2: no act
             return self._symm.stage1_forward(x_TH, topk_weights_TK, w1_G2IH, plan)
         r = plan.routing
         if plan.exchange is None:
@@ -91,8 +92,8 @@ class TritonBackend:
         else:
             rows = plan.exchange.dispatch_tokens(x_TH.contiguous())
             weights_R = plan.exchange.dispatch_slot_values(topk_weights_TK)
-        h = ops.gemm1_forward(rows, w1_G2IH.contiguous(), r.topk, *plan.tables())
-        return h, weights_R
+        h, act = ops.gemm1_forward(rows, w1_G2IH.contiguous(), r.topk, *plan.tables())
+        return h, weights_R, act
 
     def stage1_backward(
         self,
@@ -135,13 +136,20 @@ class TritonBackend:
         return dx, d_weights, dw1
 
     def stage2_forward(
-        self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: TritonPlan | SymmPlan
+        self,
+        h_R2I: Tensor,
+        dispatch_weights_R: Tensor,
+        w2_GHI: Tensor,
+        plan: TritonPlan | SymmPlan,
+        act_RI: Tensor | None = None,
     ) -> Tensor:
         if isinstance(plan, SymmPlan):
             return self._symm.stage2_forward(h_R2I, dispatch_weights_R, w2_GHI, plan)
         r = plan.routing
+        h = h_R2I.contiguous()
         y = ops.gemm2_combine_forward(
-            h_R2I.contiguous(),
+            h,
+            h.new_empty(0) if act_RI is None else act_RI.contiguous(),
             dispatch_weights_R.contiguous(),
             w2_GHI.contiguous(),
             r.num_tokens,

@@ -1,5 +1,8 @@
 """The four expert-path steps as ``torch.library`` custom ops over the Triton kernels.
 
+GEMM1 emits ``h`` (saved by stage 2 for the SwiGLU backward) and, from its epilogue, the activation
+``act = silu(gate) * up``; stage 2 takes ``act`` and runs the SwiGLU pass itself only when it is empty.
+
 Legend: T tokens, H hidden, I intermediate, G local experts, K top-k, R = T*K expert-sorted rows.
 
 Custom ops make each step one opaque node for torch.compile (dynamo never traces a Triton launch or
@@ -57,12 +60,14 @@ def gemm1_forward(
     expert_start_G1: Tensor,
     tiles_X3: Tensor,
     num_tiles_1: Tensor,
-) -> Tensor:
-    """``h [R, 2I] = x[row_token] @ W1[expert]^T`` (dispatch fused as a row gather); padding rows zero."""
+) -> tuple[Tensor, Tensor]:
+    """``h [R, 2I] = x[row_token] @ W1[expert]^T`` (dispatch fused as a row gather) and, from the same
+    kernel's epilogue, ``act [R, I] = silu(h[:, :I]) * h[:, I:]``; padding rows of both are zero."""
     T, G, two_i = x_TH.shape[0], w1_G2IH.shape[0], w1_G2IH.shape[1]
     plan = _plan(T, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1)
     h = x_TH.new_empty(T * topk, two_i)
-    if h.numel():
+    act = x_TH.new_empty(T * topk, two_i // 2)
+    if act.numel():
         cfg = gemm_config("gemm1", x_TH.device)
         grouped_gemm(
             x_TH,
@@ -74,19 +79,23 @@ def gemm1_forward(
             config=cfg,
             num_sms=num_programs(x_TH.device),
             a_rows=row_token_R,
+            act=act,
         )
         zero_padding_rows(h, expert_start_G1)
-    return h
+        zero_padding_rows(act, expert_start_G1)
+    return h, act
 
 
 @gemm1_forward.register_fake
 def _(x_TH, w1_G2IH, topk, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1):
-    return x_TH.new_empty(x_TH.shape[0] * topk, w1_G2IH.shape[1])
+    R, two_i = x_TH.shape[0] * topk, w1_G2IH.shape[1]
+    return x_TH.new_empty(R, two_i), x_TH.new_empty(R, two_i // 2)
 
 
 @torch.library.custom_op("megamoe_triton::gemm2_combine_forward", mutates_args=())
 def gemm2_combine_forward(
     h_R2I: Tensor,
+    act_RI: Tensor,
     dispatch_weights_R: Tensor,
     w2_GHI: Tensor,
     num_tokens: int,
@@ -98,7 +107,8 @@ def gemm2_combine_forward(
     tiles_X3: Tensor,
     num_tiles_1: Tensor,
 ) -> Tensor:
-    """``y [T, H] = sum_k w * (silu(gate) * up) @ W2^T``: SwiGLU pass, GEMM2, weighted combine."""
+    """``y [T, H] = sum_k w * act @ W2^T``: GEMM2, weighted combine; ``act = silu(gate) * up`` from
+    GEMM1's epilogue, or, when ``act_RI`` is empty (0 elements), from a SwiGLU pass over ``h``."""
     G, H, inter = w2_GHI.shape
     plan = _plan(
         num_tokens, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1
@@ -107,8 +117,10 @@ def gemm2_combine_forward(
     R = h_R2I.shape[0]
     if R == 0:
         return y.zero_()
-    a = h_R2I.new_empty(R, inter)
-    swiglu_forward(h_R2I, a, expert_start_G1[-1:])
+    a = act_RI
+    if a.numel() == 0:
+        a = h_R2I.new_empty(R, inter)
+        swiglu_forward(h_R2I, a, expert_start_G1[-1:])
     o = h_R2I.new_empty(R, H)
     cfg = gemm_config("gemm2", h_R2I.device)
     grouped_gemm(a, w2_GHI, o, plan, a_mode=0, b_kn=False, config=cfg, num_sms=num_programs(h_R2I.device))
@@ -119,6 +131,7 @@ def gemm2_combine_forward(
 @gemm2_combine_forward.register_fake
 def _(
     h_R2I,
+    act_RI,
     dispatch_weights_R,
     w2_GHI,
     num_tokens,

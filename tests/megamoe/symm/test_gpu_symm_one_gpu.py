@@ -46,7 +46,7 @@ def _symm_step(x, idx, tw, w1, w2, dy, group):
     leaves = [t.detach().requires_grad_() for t in (x, tw, w1, w2)]
     plan = backend.make_plan(idx, num_experts=w1.shape[0], group=group)
     handle = MegaMoEHandle(backend, plan, x.shape[0])
-    h, weights = _DispatchGroupedGemm.apply(leaves[0], leaves[1], leaves[2], handle)
+    h, weights, _ = _DispatchGroupedGemm.apply(leaves[0], leaves[1], leaves[2], handle)
     y = _GroupedGemmCombine.apply(h, weights, leaves[3], handle)
     return (y, *torch.autograd.grad(y, leaves, dy))
 
@@ -156,7 +156,7 @@ def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...])
                 handle = MegaMoEHandle(
                     backend, backend.make_plan(idx, num_experts=E, group=group), x.shape[0]
                 )
-                h, weights = _DispatchGroupedGemm.apply(leaves[0], leaves[1], leaves[2], handle)
+                h, weights, _ = _DispatchGroupedGemm.apply(leaves[0], leaves[1], leaves[2], handle)
                 runs.append((leaves, _GroupedGemmCombine.apply(h, weights, leaves[3], handle), dy))
         grads = []
         for (leaves, y, dy), group in zip(runs, groups, strict=True):

@@ -59,9 +59,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("model", "routing", "drop", "empty"), CASES)
+# I = 328 leaves GEMM1's last tile (128 gate + 128 up columns) ragged; H = 1032 a ragged K tile
+RAGGED = ModelShape(hidden=1032, inter=328, experts=8, topk=4, tokens=1000)
+
+
+@pytest.mark.parametrize(
+    ("model", "routing", "drop", "empty"),
+    [*CASES, pytest.param("ragged-I", "skewed", 0.1, 1, id="ragged-I-drops-empty")],
+)
 def test_triton_bf16_matches_fp32_reference(model: str, routing: str, drop: float, empty: int) -> None:
-    inputs = _inputs(MODELS[model], routing, drop=drop, empty_experts=empty)
+    inputs = _inputs(MODELS.get(model, RAGGED), routing, drop=drop, empty_experts=empty)
     ours = _run("triton", *inputs)
     ref = _run("reference", *inputs, dtype=torch.float32)
     report = {n: (_cosine(ref[n], ours[n]), _snr_db(ref[n], ours[n])) for n in GRADS}
@@ -147,3 +154,61 @@ def test_triton_torch_compile_fullgraph() -> None:
         outs.append((y.detach(), xr.grad, twr.grad, mod.w1.grad, mod.w2.grad))
     for name, a, b in zip(GRADS, *outs, strict=True):
         assert torch.equal(a, b), f"{name}: {_first_mismatch(a, b)}"
+
+
+EPILOGUE_CASES = [
+    pytest.param(MODELS["DeepSeek-V3"], "uniform", 0.0, 0, id="DeepSeek-V3-uniform"),
+    pytest.param(MODELS["DeepSeek-V3"], "skewed", 0.05, 3, id="DeepSeek-V3-ragged-drops-empty"),
+    pytest.param(RAGGED, "skewed", 0.1, 1, id="ragged-I-drops-empty"),
+]
+
+
+def _gemm1_with_epilogue(shape: ModelShape, routing: str, drop: float, empty: int):
+    from megamoe.backends.triton import ops
+    from megamoe.backends.triton.backend import TritonBackend
+
+    x, idx, _, w1, _, _ = _inputs(shape, routing, drop=drop, empty_experts=empty)
+    plan = TritonBackend().make_plan(idx, num_experts=shape.experts, group=None)
+    h, act = ops.gemm1_forward(x, w1, shape.topk, *plan.tables())
+    return x, w1, plan.routing, h, act, int(plan.routing.expert_start_G1[-1])
+
+
+@pytest.mark.parametrize(("shape", "routing", "drop", "empty"), EPILOGUE_CASES)
+def test_triton_gemm1_swiglu_epilogue_equals_swiglu_pass_bitwise(
+    shape: ModelShape, routing: str, drop: float, empty: int
+) -> None:
+    """GEMM1's epilogue ``act`` has the bits of the SwiGLU pass over the same kernel's ``h``."""
+    from megamoe.backends.triton.swiglu import swiglu_forward
+
+    _, _, routing_plan, h, act, valid = _gemm1_with_epilogue(shape, routing, drop, empty)
+    act_pass = torch.full_like(act, float("nan"))
+    swiglu_forward(h, act_pass, routing_plan.expert_start_G1[-1:])
+    assert torch.equal(act[:valid], act_pass[:valid]), (
+        f"act: {_first_mismatch(act[:valid], act_pass[:valid])}"
+    )
+    assert not act[valid:].any() and not h[valid:].any(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize(("shape", "routing", "drop", "empty"), EPILOGUE_CASES)
+def test_triton_gemm1_epilogue_h_equals_plain_gemm1_bitwise(
+    shape: ModelShape, routing: str, drop: float, empty: int
+) -> None:
+    """The gate/up tile layout changes which W1 rows share a tile, not any element's K-order: ``h``
+    keeps the bits of the GEMM1 kernel without the epilogue (256 contiguous columns per tile)."""
+    from megamoe.backends.triton.configs import gemm_config, num_programs
+    from megamoe.backends.triton.grouped_gemm import grouped_gemm
+
+    x, w1, routing_plan, h, _, valid = _gemm1_with_epilogue(shape, routing, drop, empty)
+    h_plain = torch.full_like(h, float("nan"))
+    grouped_gemm(
+        x,
+        w1,
+        h_plain,
+        routing_plan,
+        a_mode=1,
+        b_kn=False,
+        config=gemm_config("gemm1", x.device),
+        num_sms=num_programs(x.device),
+        a_rows=routing_plan.row_token_R,
+    )
+    assert torch.equal(h[:valid], h_plain[:valid]), f"h: {_first_mismatch(h[:valid], h_plain[:valid])}"
