@@ -8,9 +8,12 @@ R = T*K rows). In the same process it times the baseline — argsort by expert, 
 ``torch._grouped_mm``, eager SwiGLU, the second ``torch._grouped_mm``, weighted scatter-add, autograd
 backward — and prints ms, TFLOP/s, peak memory above the inputs and ours/baseline ratios. Times are
 the median of CUDA-event-timed repeats after warm-up, with the L2 cache flushed before each repeat
-(``triton.testing.do_bench``). ``layer`` times ``fused_mega_moe``; the stage modes time stage 1
-(dispatch + GEMM1) or stage 2 (SwiGLU + GEMM2 + combine) alone, and ``dispatch_grouped_gemm`` also
-times the bare GEMM1 kernel against ``torch._grouped_mm`` on the same rows.
+(``triton.testing.do_bench``). ``layer`` times ``fused_mega_moe``; the stage modes time one stage
+alone, split where ours splits, for both: stage 1 = dispatch + GEMM1 + the SwiGLU forward (ours: in
+GEMM1's epilogue; the baseline's eager SwiGLU), differentiated through ``h`` only; stage 2 = GEMM2 +
+combine, whose backward includes the SwiGLU backward (both save ``h``). ``dispatch_grouped_gemm``
+also times our GEMM1 kernel (with its SwiGLU epilogue) against a bare ``torch._grouped_mm`` on the
+same rows.
 """
 
 from __future__ import annotations
@@ -67,26 +70,45 @@ def make_routing(
 
 def baseline_layer(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
     """torchtitan-style expert path: argsort, gather, grouped_mm, eager SwiGLU, grouped_mm, scatter-add."""
-    h, order, offs = baseline_stage1(x, topk_idx, w1)
-    return baseline_stage2(h, order, offs, topk_weights, w2, x.shape[0])
+    _, a, order, offs = baseline_stage1(x, topk_idx, w1)
+    return baseline_stage2(a, order, offs, topk_weights, w2, x.shape[0])
 
 
-def baseline_stage1(x: Tensor, topk_idx: Tensor, w1: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def baseline_stage1(x: Tensor, topk_idx: Tensor, w1: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(h, a = silu(gate) * up, order, offs)``: the baseline up to and including the eager SwiGLU."""
     K, G = topk_idx.shape[1], w1.shape[0]
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.histc(flat.float(), bins=G, min=0, max=G)
     offs = torch.cumsum(counts, 0).to(torch.int32)
     x_sorted = x[order // K]
-    return torch._grouped_mm(x_sorted, w1.transpose(-2, -1), offs=offs), order, offs
+    h = torch._grouped_mm(x_sorted, w1.transpose(-2, -1), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    return h, torch.nn.functional.silu(gate) * up, order, offs
+
+
+class _SwiGLUFromStage1(torch.autograd.Function):
+    """The baseline's stage-2 input: ``a`` as stage 1 computed it (no forward work), with the eager
+    SwiGLU backward to ``h`` (one ``silu`` more than autograd, which keeps ``silu(gate)`` from forward)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, a: Tensor) -> Tensor:
+        ctx.save_for_backward(h)
+        return a.view_as(a)
+
+    @staticmethod
+    def backward(ctx, da: Tensor) -> tuple[Tensor, None]:
+        (h,) = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        d_gate = torch.ops.aten.silu_backward(da * up, gate)
+        return torch.cat([d_gate, da * torch.nn.functional.silu(gate)], dim=-1), None
 
 
 def baseline_stage2(
-    h: Tensor, order: Tensor, offs: Tensor, topk_weights: Tensor, w2: Tensor, T: int
+    a: Tensor, order: Tensor, offs: Tensor, topk_weights: Tensor, w2: Tensor, T: int
 ) -> Tensor:
+    """GEMM2 on the activation ``a``, then the weighted scatter-add."""
     K = topk_weights.shape[1]
-    gate, up = h.chunk(2, dim=-1)
-    a = torch.nn.functional.silu(gate) * up
     o = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
     w = topk_weights.reshape(-1)[order].unsqueeze(1).to(o.dtype)
     y = torch.zeros(T, o.shape[1], dtype=o.dtype, device=o.device)
@@ -151,12 +173,18 @@ def _cases(mode: str, shape: ModelShape, routing: str, device: torch.device, pre
         yield "baseline", lambda: baseline_stage1(x, idx, w1)[0], [x, w1]
     else:
         with torch.no_grad():
-            h0, dw0, handle = dispatch_grouped_gemm(x, idx, tw, w1, backend="triton")
-            _, order, offs = baseline_stage1(x, idx, w1)
-        h = h0.detach().requires_grad_()
-        dw = dw0.detach().requires_grad_()
+            h, dw, handle = dispatch_grouped_gemm(x, idx, tw, w1, backend="triton")
+            h_base, a_base, order, offs = baseline_stage1(x, idx, w1)
+        # leaves made in place: the handle's activation stays tied to this very h (no SwiGLU pass)
+        h.requires_grad_()
+        dw.requires_grad_()
+        h_base.requires_grad_()
         yield "megamoe", lambda: grouped_gemm_combine(h, dw, handle, w2), [h, dw, w2]
-        yield "baseline", lambda: baseline_stage2(h, order, offs, tw, w2, T), [h, tw, w2]
+        yield (
+            "baseline",
+            lambda: baseline_stage2(_SwiGLUFromStage1.apply(h_base, a_base), order, offs, tw, w2, T),
+            [h_base, tw, w2],
+        )
 
 
 def _flops(mode: str, shape: ModelShape, rows: int) -> float:
@@ -165,7 +193,8 @@ def _flops(mode: str, shape: ModelShape, rows: int) -> float:
 
 
 def _gemm1_alone(shape: ModelShape, routing: str, device: torch.device) -> list[tuple[str, float]]:
-    """GEMM1 kernel alone (fused gather) vs ``torch._grouped_mm`` on the same, pre-gathered rows."""
+    """Our GEMM1 kernel alone (fused gather, SwiGLU epilogue: writes ``h`` and ``act``) vs a bare
+    ``torch._grouped_mm`` (``h`` only) on the same, pre-gathered rows; TFLOP/s count the GEMM only."""
     from megamoe.backends.triton import ops
     from megamoe.backends.triton.backend import TritonBackend
 
@@ -174,12 +203,15 @@ def _gemm1_alone(shape: ModelShape, routing: str, device: torch.device) -> list[
     w1 = torch.randn(G, 2 * I, H, device=device, dtype=torch.bfloat16) / H**0.5
     idx, _ = make_routing(shape, routing, device=device)
     plan = TritonBackend().make_plan(idx, num_experts=G, group=None)
-    _, order, offs = baseline_stage1(x, idx, w1)
+    _, _, order, offs = baseline_stage1(x, idx, w1)
     x_sorted = x[order // shape.topk]
     w1_t = w1.transpose(-2, -1)
     ours = _time(lambda: ops.gemm1_forward(x, w1, shape.topk, *plan.tables()), [])
     theirs = _time(lambda: torch._grouped_mm(x_sorted, w1_t, offs=offs), [])
-    return [("gemm1 (gather fused)", ours), ("torch._grouped_mm (pre-gathered)", theirs)]
+    return [
+        ("gemm1 (gather fused, SwiGLU epilogue)", ours),
+        ("torch._grouped_mm (pre-gathered, no SwiGLU)", theirs),
+    ]
 
 
 def run(

@@ -27,3 +27,22 @@ def test_bench_rejects_unknown_model_and_mxfp8_stage_modes():
 def test_bench_without_gpu_says_so():
     result = CliRunner().invoke(main, ["--models", "Qwen3-30B-A3B"])
     assert result.exit_code == 1 and "needs a CUDA GPU" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels under the CPU interpreter")
+@pytest.mark.parametrize("mode", ["dispatch_grouped_gemm", "grouped_gemm_combine", "layer"])
+def test_bench_cases_run_forward_backward_and_ours_runs_no_swiglu_pass(mode, monkeypatch):
+    """Stage 1 computes SwiGLU in GEMM1's epilogue and stage 2 takes it: no separate SwiGLU pass is
+    timed in any mode (tiny bf16 shape, Triton kernels under the interpreter)."""
+    from megamoe import bench
+    from megamoe.backends.triton import ops
+
+    passes = []
+    monkeypatch.setattr(ops, "swiglu_forward", lambda *args: passes.append(args))
+    shape = bench.ModelShape(hidden=32, inter=24, experts=4, topk=2, tokens=24)
+    for impl, forward, leaves in bench._cases(mode, shape, "skewed", torch.device("cpu")):
+        for _ in range(2):  # the benchmark repeats each case on the same leaves
+            out = forward()
+            torch.autograd.backward(out, torch.randn_like(out), inputs=leaves)
+        assert all(leaf.grad is not None for leaf in leaves), impl
+    assert passes == []
