@@ -41,13 +41,6 @@ def comm_programs(device: torch.device) -> int:
     return int(os.environ.get("MEGAMOE_SYMM_COMM_PROGRAMS", "40"))
 
 
-def tail_percent() -> int:
-    """Per cent of a comm launch's GEMM tiles claimed from a device counter (``MEGAMOE_SYMM_TAIL``,
-    default 25): the comm programs join the GEMM there once their rows are out; the GEMM programs
-    take the rest at a fixed stride."""
-    return int(os.environ.get("MEGAMOE_SYMM_TAIL", "25"))
-
-
 def begin_op(ws: SymmWorkspace, counts_E: Tensor | None = None) -> None:
     """Bump the epoch and barrier with every EP rank; with ``counts_E``, also publish this rank's counts."""
     E = ws.key.num_experts
@@ -161,6 +154,8 @@ def fused_gemm(
     ``local_rows`` (push mode): the pool rows' ``(source rank, send position)``; this rank's own rows are
     then not copied into its pool, GEMM tiles read them from ``push.src_TH`` by token.
     """
+    if wait and push is None:
+        raise ValueError("wait=True waits for rows a comm role pushes: pass push=")
     local_a = local_rows is not None and push is not None and not push.pull
     row_src, row_pos = (remote.row_src_R, remote.row_pos_R) if remote else (local_rows or (None, None))
     cfg = gemm_config(op, a_RK.device)
@@ -217,7 +212,6 @@ def fused_gemm(
         out_RN.stride(0) if out_RN is not None else 0,
         grid,
         min(num_comm or comm_programs(a_RK.device), grid),
-        tail_percent(),
         max_spins(),
         COMM=push is not None,
         PULL=push is not None and push.pull,

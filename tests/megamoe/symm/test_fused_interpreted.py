@@ -26,9 +26,7 @@ def _rank(rank: int, world: int, case: tuple, layers: int, dispatch: str) -> lis
 
     install()
     os.environ["MEGAMOE_EP_TRANSPORT"] = "symm"
-    mode, _, tail = dispatch.partition("+tail")
-    os.environ["MEGAMOE_SYMM_DISPATCH"] = mode
-    os.environ["MEGAMOE_SYMM_TAIL"] = tail or "25"
+    os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
     os.environ["MEGAMOE_SYMM_DEBUG"] = "1"
     os.environ["MEGAMOE_SYMM_MAX_TOKENS"] = str(max(max(t.shape[0] for t in layer) for layer in case[0]))
     out = []
@@ -79,11 +77,9 @@ def _check(results, case, world: int) -> None:
 
 
 DISPATCH = pytest.mark.parametrize("dispatch", ["push", "pull"])
-# and push with every GEMM tile at a fixed stride (tail 0) or every one claimed from the counter (100)
-LAYER_DISPATCH = pytest.mark.parametrize("dispatch", ["push", "pull", "push+tail0", "push+tail100"])
 
 
-@LAYER_DISPATCH
+@DISPATCH
 @pytest.mark.parametrize(
     ("tokens", "drop"),
     [([[11, 6]], 0.1), ([[9, 0]], 0.0)],
@@ -94,7 +90,7 @@ def test_fused_ep2_matches_reference(tmp_path, tokens, drop, dispatch) -> None:
     _check(run_ranks(_rank, 2, tmp_path, case, len(tokens), dispatch, timeout=600), case, 2)
 
 
-@LAYER_DISPATCH
+@DISPATCH
 def test_back_to_back_layers_reuse_one_workspace(tmp_path, dispatch) -> None:
     """Three layers with new routing each: every op overwrites the pools the previous one used."""
     case = _cases([[7, 5], [4, 9], [8, 8]], H=16, I=8, E=4, K=2, drop=0.2)
