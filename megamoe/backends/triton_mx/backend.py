@@ -40,7 +40,7 @@ from megamoe.backends.triton.combine import combine
 from megamoe.backends.triton.configs import block_m, num_programs
 from megamoe.backends.triton.padding import zero_padding_rows
 from megamoe.backends.triton.routing import RoutingPlan, build_routing_plan
-from megamoe.backends.triton_mx.configs import gemm_config, wgrad_config
+from megamoe.backends.triton_mx.configs import gemm_config, wgrad_block_align, wgrad_config
 from megamoe.backends.triton_mx.grouped_gemm import mx_grouped_gemm
 from megamoe.backends.triton_mx.quantize_rows import quantize_rows
 from megamoe.backends.triton_mx.quantize_segments import quantize_segments, segment_block_starts
@@ -61,7 +61,9 @@ class MXPlan:
     block_start_G1: Tensor
     """first block slot of each expert's rows (``ceil(rows / 32)`` slots each), on the device."""
     num_blocks: int
-    """static bound on the block slots: ``ceil(R / 32) + G``."""
+    """static bound on the block slots: ``ceil(R / 32) + G * block_align``."""
+    block_align: int
+    """each expert's first block slot is a multiple of this (:data:`~.configs.WGRAD_BLOCK_ALIGN` on CUDA)."""
 
     @property
     def valid_rows_1(self) -> Tensor:
@@ -106,8 +108,10 @@ class MXFP8TritonBackend:
             routing = build_routing_plan(
                 local_expert_R1.unsqueeze(1), num_experts=exchange.num_local_experts, block_m=block_m(device)
             )
-        num_blocks = -(-routing.num_rows // BLOCK) + routing.num_experts
-        return MXPlan(routing, exchange, segment_block_starts(routing.expert_start_G1), num_blocks)
+        align = wgrad_block_align(device)
+        num_blocks = -(-routing.num_rows // BLOCK) + routing.num_experts * align
+        block_start = segment_block_starts(routing.expert_start_G1, align=align)
+        return MXPlan(routing, exchange, block_start, num_blocks, align)
 
     def _gemm(self, a: MXTensor, b: MXTensor, out: Tensor, plan: MXPlan, a_rows: Tensor | None) -> None:
         mx_grouped_gemm(
@@ -122,7 +126,13 @@ class MXFP8TritonBackend:
 
     def _wgrad(self, p: MXTensor, q: MXTensor, out: Tensor, plan: MXPlan) -> Tensor:
         mx_wgrad(
-            p, q, out, plan.block_start_G1, config=wgrad_config(out.device), num_sms=num_programs(out.device)
+            p,
+            q,
+            out,
+            plan.block_start_G1,
+            config=wgrad_config(out.device),
+            num_sms=num_programs(out.device),
+            block_align=plan.block_align,
         )
         return out
 

@@ -1,11 +1,17 @@
 """Tile shapes of the MXFP8 kernels, from static shapes only (no autotuning: it syncs and breaks capture).
 
-Not tuned yet: chosen for register room, not measured. The fp8 MMA result of each 32-deep step is a
-fresh fp32 tile that is scaled and added to the accumulator on the CUDA cores, so a tile holds two
-fp32 tiles (accumulator + partial product): 128x128 with 8 warps keeps both at 64 registers a thread,
-where the bf16 path's 128x256 would need 256. ``SUB`` 32-deep steps share one pipeline stage (one
-loop iteration): fewer, larger iterations for the software pipeliner. Sweep BLOCK_N, SUB, warps and
-stages on the H200 before trusting any number. The CPU interpreter gets tiny tiles.
+The one place to change a launch: ``benchmarks/sweep_mx_gemm.py`` times candidates from here.
+
+Each 32-deep E4M3 MMA (Hopper ``wgmma`` k=32) produces a fresh fp32 partial tile that is scaled and
+added to the accumulator on the CUDA cores, so a tile holds two fp32 tiles (accumulator + partial):
+128x128 with 8 warps keeps both at 64 registers a thread; the bf16 path's 128x256 would need 256 and
+spill. ``BLOCK_K`` is the K depth of one pipeline stage (one loop iteration): its ``BLOCK_K / 32``
+MX blocks come as separate 32-deep TMA boxes, and one ``[rows, BLOCK_K / 32]`` scale tile per operand
+is loaded per stage, one stage ahead. Compiled offline for sm_90a (ptxas -v), 128x128 / 8 warps
+has no spills at BLOCK_K=64 (the scale columns of both 32-deep steps held in registers, 64 a thread
+for B), and spills about 1.5 KB at BLOCK_K=128 (four steps' columns: 128 registers), so 64 is the
+default. Not yet measured on an H200: the sweep prints the candidates and the default.
+The CPU interpreter gets tiny tiles (two 32-deep steps per stage, so the split stays tested).
 """
 
 from __future__ import annotations
@@ -14,19 +20,28 @@ import torch
 
 from megamoe.backends.triton.configs import block_m
 
-_GPU_GEMM = {"BLOCK_N": 128, "SUB": 2, "num_warps": 8, "num_stages": 4}
-_GPU_WGRAD = {"BLOCK_M": 128, "BLOCK_N": 128, "SUB": 1, "num_warps": 8, "num_stages": 4}
+GPU_GEMM = {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+"""M-grouped MX GEMM on CUDA (BLOCK_M is the routing plan's)."""
+GPU_WGRAD = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+"""K-grouped MX weight gradient on CUDA; ``BLOCK_K / 32`` must divide :data:`WGRAD_BLOCK_ALIGN`."""
+WGRAD_BLOCK_ALIGN = 4
+"""On CUDA, each expert's 32-row block slots along R are rounded up to a multiple of this (zero blocks), so a
+wgrad stage of up to ``32 * WGRAD_BLOCK_ALIGN`` rows never reads another expert's blocks."""
+
+_CPU_GEMM = {"BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 1, "num_stages": 1}
+_CPU_WGRAD = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 1, "num_stages": 1}
 
 
 def gemm_config(device: torch.device) -> dict:
     """Tile of the M-grouped MX GEMM (every row-grouped GEMM: fc1/fc2 forward and dgrad)."""
-    if device.type != "cuda":
-        return {"BLOCK_M": block_m(device), "BLOCK_N": 16, "SUB": 2, "num_warps": 1, "num_stages": 1}
-    return {"BLOCK_M": block_m(device), **_GPU_GEMM}
+    return {"BLOCK_M": block_m(device), **(GPU_GEMM if device.type == "cuda" else _CPU_GEMM)}
 
 
 def wgrad_config(device: torch.device) -> dict:
     """Tile of the K-grouped MX weight-gradient GEMM."""
-    if device.type != "cuda":
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "SUB": 2, "num_warps": 1, "num_stages": 1}
-    return dict(_GPU_WGRAD)
+    return dict(GPU_WGRAD if device.type == "cuda" else _CPU_WGRAD)
+
+
+def wgrad_block_align(device: torch.device) -> int:
+    """Alignment of each expert's block slots along R (a multiple of the wgrad's ``BLOCK_K / 32``)."""
+    return WGRAD_BLOCK_ALIGN if device.type == "cuda" else _CPU_WGRAD["BLOCK_K"] // 32

@@ -7,11 +7,13 @@ A ``[rows, K]`` and B ``[G, N, K]`` are E4M3 with one E8M0 code per 32 along K (
 
     for tile in range(program_id, num_m_tiles * num_n_tiles, num_programs):
         expert, r0, r_end = tiles[m_tile]
-        for kb in range(KB):                                   # SUB of them per pipeline stage
-            A_GATHER: a = A[rows[r0:r0+BM], 32kb:32kb+32], sa[rows[...], kb]   # fused dispatch
-            else:     a = A[r0:r0+BM, 32kb:32kb+32] (TMA),  sa[r0:r0+BM, kb]
-            b = B[expert, n:n+BN, 32kb:32kb+32] (TMA), sb[expert, n:n+BN, kb]
-            acc += dot_e4m3(a, b^T) * (2**(sa-127)[:, None] * 2**(sb-127)[None, :])   # fp32
+        for stage in range(cdiv(K, BLOCK_K)):                  # NB = BLOCK_K / 32 MX blocks a stage
+            sa, sb = 2**(codes - 127) of A's rows, B's columns for the stage's NB blocks  # [BM|BN, NB]
+            for kb in the stage's NB blocks:                   # unrolled
+                A_GATHER: a = A[rows[r0:r0+BM], 32kb:32kb+32]  # fused dispatch, cp.async pipelined
+                else:     a = A[r0:r0+BM, 32kb:32kb+32]        # TMA
+                b = B[expert, n:n+BN, 32kb:32kb+32]            # TMA, K-major ([BN, 32] then .T)
+                acc += (dot_e4m3(a, b^T) * sb[:, kb][None, :]) * sa[:, kb][:, None]   # fp32
         C[r0:r_end, n:n+BN] = acc
 
 Each 32-deep MMA (Hopper ``wgmma`` k=32 for E4M3) starts from zero and its fp32 result is scaled and
@@ -20,6 +22,13 @@ precision FP8 accumulation to fp32 after every block. It costs one multiply and 
 element per 32 of K, which on Hopper is about what the tensor core spends on the MMA itself (see
 docs/mxfp8.md). A short last K block reads zeros (TMA zero-fill, masked gather). A masked row's codes
 read as 127 (scale 1), so nothing NaN enters from outside the tile.
+
+Performance notes (checked by compiling for sm_90a offline: ``ptxas -v`` registers and spills, TTGIR):
+the scale tiles are plain loads, which the software pipeliner does not pipeline, so they are fetched
+one stage ahead in registers; one ``[rows, NB]`` tile per stage, its columns picked by ``tl.split``
+(no reductions, no per-step scale loads); the gathered A rows come through pointers carried across
+the loop (``a_ptrs += BLOCK_K``), which the pipeliner turns into ``cp.async``; the partial is scaled
+as ``(part * sb) * sa`` so no separate ``[BM, BN]`` scale tile is built and held.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.backends.triton.routing import RoutingPlan
-from megamoe.backends.triton_mx.mx_math import e8m0_to_float, swizzle
+from megamoe.backends.triton_mx.mx_math import scale_column, scale_tile, swizzle
 from megamoe.quant.mx import BLOCK, MXTensor
 
 
@@ -61,9 +70,10 @@ def _mx_grouped_gemm_kernel(
     A_GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SUB: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    NB: tl.constexpr = BLOCK_K // 32
     num_m = tl.load(num_tiles_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
     num_kb = tl.cdiv(K, 32)
@@ -76,29 +86,35 @@ def _mx_grouped_gemm_kernel(
         n0 = pid_n * BLOCK_N
         offs_m = r0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < r_end
-        if A_GATHER:
-            a_rows = tl.load(a_rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-        else:
-            a_rows = offs_m.to(tl.int64)
-        a_ptrs = a_ptr + a_rows[:, None] * stride_a + offs_k[None, :]
-        sa_ptrs = a_scale_ptr + a_rows * stride_as_r
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        sb_ptrs = b_scale_ptr + expert.to(tl.int64) * stride_bs_g + offs_n.to(tl.int64) * stride_bs_n
+        if A_GATHER:
+            a_rows = tl.load(a_rows_ptr + offs_m, mask=mask_m, other=0)
+        else:
+            a_rows = offs_m
+        a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_a + offs_k[None, :]  # A_GATHER only
+        sb_ptr = b_scale_ptr + expert.to(tl.int64) * stride_bs_g
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, tl.cdiv(num_kb, SUB)):
-            for j in tl.static_range(SUB):
-                kb = kk * SUB + j
-                k0 = kb * 32
+        # scale tiles one stage ahead (plain loads are not pipelined by the compiler): the loop never waits
+        sa_next = scale_tile(a_scale_ptr, a_rows, mask_m, 0, num_kb, stride_as_r, stride_as_k, NB)
+        sb_next = scale_tile(sb_ptr, offs_n, mask_n, 0, num_kb, stride_bs_n, stride_bs_k, NB)
+        for ki in range(tl.cdiv(K, BLOCK_K)):
+            kb0 = ki * NB
+            sa = sa_next
+            sb = sb_next
+            sa_next = scale_tile(a_scale_ptr, a_rows, mask_m, kb0 + NB, num_kb, stride_as_r, stride_as_k, NB)
+            sb_next = scale_tile(sb_ptr, offs_n, mask_n, kb0 + NB, num_kb, stride_bs_n, stride_bs_k, NB)
+            for j in tl.static_range(NB):
+                k0 = (kb0 + j) * 32
                 if A_GATHER:
-                    a = tl.load(a_ptrs + k0, mask=mask_m[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+                    a_mask = mask_m[:, None] & (offs_k < K - k0)[None, :]
+                    a = tl.load(a_ptrs + j * 32, mask=a_mask, other=0.0)
                 else:
                     a = a_desc.load([r0, k0])
                 b = b_desc.load([expert, n0, k0]).reshape(BLOCK_N, 32)
-                sa = tl.load(sa_ptrs + kb * stride_as_k, mask=mask_m & (kb < num_kb), other=127)
-                sb = tl.load(sb_ptrs + kb * stride_bs_k, mask=mask_n & (kb < num_kb), other=127)
                 part = tl.dot(a, b.T, out_dtype=tl.float32)
-                acc += part * (e8m0_to_float(sa)[:, None] * e8m0_to_float(sb)[None, :])
+                acc += (part * scale_column(sb, j, NB)[None, :]) * scale_column(sa, j, NB)[:, None]
+            a_ptrs += BLOCK_K
         c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -119,7 +135,9 @@ def mx_grouped_gemm(
     Both are blocked along K (their last dim) and their data contiguous; K must be a multiple of 16
     (TMA's 16-byte row stride for E4M3).
     """
-    bm, bn, sub = config["BLOCK_M"], config["BLOCK_N"], config["SUB"]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if bk % BLOCK or bk & (bk - 1):
+        raise ValueError(f"BLOCK_K={bk}: must be a power of two and a multiple of {BLOCK}")
     if bm != plan.block_m:
         raise ValueError(f"BLOCK_M={bm} must equal the plan's block_m={plan.block_m}")
     _, N, K = b.data.shape
@@ -157,7 +175,7 @@ def mx_grouped_gemm(
         A_GATHER=a_rows is not None,
         BLOCK_M=bm,
         BLOCK_N=bn,
-        SUB=sub,
+        BLOCK_K=bk,
         GROUP_M=config.get("GROUP_M", 8),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],

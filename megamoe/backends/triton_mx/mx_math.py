@@ -73,6 +73,37 @@ def e8m0_to_float(codes):
 
 
 @triton.jit
+def scale_tile(ptr, offs, mask, kb0, num_kb, stride_x, stride_b, NB: tl.constexpr):
+    """fp32 scale values ``[len(offs), NB]`` of K blocks ``kb0 .. kb0 + NB`` whose codes sit at
+    ``ptr + offs * stride_x + kb * stride_b``: one load per pipeline stage, not one per 32-deep step.
+    Rows outside ``mask`` and blocks from ``num_kb`` on read code 127 (scale 1): no NaN from outside."""
+    kbs = kb0 + tl.arange(0, NB)
+    ptrs = ptr + offs[:, None] * stride_x + kbs[None, :] * stride_b
+    return e8m0_to_float(tl.load(ptrs, mask=mask[:, None] & (kbs < num_kb)[None, :], other=127))
+
+
+@triton.jit
+def _half(v, bit: tl.constexpr):
+    """Columns of ``v [X, C]`` whose index has the low bit ``bit``: ``[X, C / 2]`` (``[X]`` when C is 2)."""
+    even, odd = tl.split(tl.reshape(v, (v.shape[0], v.shape[1] // 2, 2)))
+    return odd if bit else even
+
+
+@triton.jit
+def scale_column(s, j: tl.constexpr, NB: tl.constexpr):
+    """Column ``j`` of a ``[X, NB]`` scale tile (NB = 1, 2, 4 or 8), by splits: no arithmetic, no reduction."""
+    tl.static_assert(NB == 1 or NB == 2 or NB == 4 or NB == 8, "BLOCK_K / 32 must be 1, 2, 4 or 8")
+    v = s
+    if NB >= 2:
+        v = _half(v, j % 2)
+    if NB >= 4:
+        v = _half(v, (j // 2) % 2)
+    if NB >= 8:
+        v = _half(v, (j // 4) % 2)
+    return tl.reshape(v, (s.shape[0],))
+
+
+@triton.jit
 def abs_bits(v):
     """int32 bits of ``|v|`` for float32 ``v``: ordered like the magnitudes, NaN and inf on top."""
     return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF

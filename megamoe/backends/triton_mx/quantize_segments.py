@@ -82,9 +82,12 @@ def _quantize_segments_kernel(
         tl.store(scale_ptrs, codes.to(tl.uint8), mask=col_ok)
 
 
-def segment_block_starts(row_start_G1: Tensor) -> Tensor:
-    """``block_start [G + 1]`` (int32, on the device, no sync): exclusive prefix sum of ``ceil(rows / 32)``."""
+def segment_block_starts(row_start_G1: Tensor, *, align: int = 1) -> Tensor:
+    """``block_start [G + 1]`` (int32, on the device, no sync): exclusive prefix sum of ``ceil(rows / 32)``
+    rounded up to a multiple of ``align`` (the padding slots are all-zero blocks, so a wgrad stage of
+    ``align`` blocks never reaches the next segment). A static bound on the slots: ``ceil(R / 32) + G * align``."""
     blocks = (row_start_G1[1:] - row_start_G1[:-1] + BLOCK - 1) // BLOCK
+    blocks = (blocks + align - 1) // align * align
     return torch.cat([blocks.new_zeros(1), torch.cumsum(blocks, 0)]).to(torch.int32)
 
 

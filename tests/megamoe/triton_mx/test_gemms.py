@@ -81,22 +81,28 @@ def test_mx_grouped_gemm_matches_dequantised_product(
 
 
 @pytest.mark.parametrize(
-    "counts", [[0, 45, 32, 1, 0, 70], [16, 16, 16]], ids=["ragged-empty", "short-segments"]
+    ("counts", "block_k"),
+    [([0, 45, 32, 1, 0, 70], 64), ([16, 16, 16], 64), ([0, 45, 32, 1, 0, 70, 100], 128), ([45, 1, 70], 32)],
+    ids=["ragged-empty", "short-segments", "four-blocks-a-stage", "one-block-a-stage"],
 )
-def test_mx_wgrad_matches_per_expert_product_of_along_r_operands(counts: list[int]) -> None:
+def test_mx_wgrad_matches_per_expert_product_of_along_r_operands(counts: list[int], block_k: int) -> None:
+    """Each stage reads BLOCK_K / 32 blocks; segments padded with zero blocks to that many (``align``)."""
     G, M, N = len(counts), 24, 40
     R = sum(counts)
+    align = block_k // 32
+    config = {**wgrad_config(DEVICE), "BLOCK_K": block_k}
     p_src, q_src = spread(R, M, seed=5), spread(R + 3, N, seed=6)
     index = torch.randperm(R + 3, generator=torch.Generator().manual_seed(1))[:R]
     starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    block_start = segment_block_starts(starts)
-    num_blocks = -(-R // 32) + G
+    block_start = segment_block_starts(starts, align=align)
+    assert (block_start % align == 0).all()
+    num_blocks = -(-R // 32) + G * align
     p = quantize_segments(p_src.to(DEVICE), starts, block_start, num_blocks)
     q = quantize_segments(
         q_src.to(DEVICE), starts, block_start, num_blocks, index_R=index.to(torch.int32).to(DEVICE)
     )
     out = torch.full((G, M, N), float("nan"), device=DEVICE)
-    mx_wgrad(p, q, out, block_start, config=wgrad_config(DEVICE), num_sms=num_programs(DEVICE))
+    mx_wgrad(p, q, out, block_start, config=config, num_sms=num_programs(DEVICE), block_align=align)
     q_rows = q_src[index]
     for g, (pc, qc) in enumerate(zip(p_src.split(counts), q_rows.split(counts), strict=True)):
         want = fake_quantize_mx(pc, dim=0).double().t() @ fake_quantize_mx(qc, dim=0).double()
@@ -106,6 +112,40 @@ def test_mx_wgrad_matches_per_expert_product_of_along_r_operands(counts: list[in
             continue
         assert snr_db(got, want) >= 60.0, f"expert {g}"
         assert ((got - want).abs() / want.abs().max()).max() < 1e-5, f"expert {g}"
+
+
+def test_mx_wgrad_rejects_a_stage_deeper_than_the_block_alignment() -> None:
+    starts = torch.tensor([0, 40], dtype=torch.int32, device=DEVICE)
+    p = quantize_segments(spread(40, 16, seed=1).to(DEVICE), starts, segment_block_starts(starts), 3)
+    out = torch.empty(1, 16, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="must divide block_align=1"):
+        mx_wgrad(
+            p, p, out, segment_block_starts(starts), config={**wgrad_config(DEVICE), "BLOCK_K": 64}, num_sms=1
+        )
+
+
+@pytest.mark.parametrize("block_k", [32, 64, 128, 256])
+def test_mx_grouped_gemm_any_stage_depth_matches(block_k: int) -> None:
+    """BLOCK_K / 32 scaled 32-deep dots per stage (1, 2, 4, 8), K not a multiple of the stage."""
+    T, KD, N, G = 24, 272, 16, 2
+    idx = torch.arange(T).remainder(G).unsqueeze(1)
+    plan = build_routing_plan(idx.to(DEVICE), num_experts=G, block_m=block_m(DEVICE))
+    src, w = spread(T, KD, seed=3), spread(G * N, KD, seed=4).reshape(G, N, KD)
+    out = torch.empty(T, N, device=DEVICE)
+    config = {**gemm_config(DEVICE), "BLOCK_K": block_k}
+    a = quantize_rows(src.to(DEVICE))
+    b = quantize_mx(w.to(DEVICE), dim=-1)
+    mx_grouped_gemm(a, b, out, plan, config=config, num_sms=num_programs(DEVICE), a_rows=plan.row_token_R)
+    rows = plan.row_token_R.long().cpu()
+    experts = torch.repeat_interleave(
+        torch.arange(G), (plan.expert_start_G1[1:] - plan.expert_start_G1[:-1]).cpu()
+    )
+    want = torch.einsum(
+        "rk,rnk->rn",
+        fake_quantize_mx(src, dim=1).double()[rows],
+        fake_quantize_mx(w, dim=-1).double()[experts],
+    )
+    assert snr_db(out.double().cpu(), want) >= 60.0
 
 
 def test_mx_grouped_gemm_nan_block_poisons_only_its_rows() -> None:
