@@ -61,6 +61,47 @@ def _spin_until(ptr, expected, state_ptr, rank, counter_id, index, max_spins):
     while (seen < expected) & (spins < max_spins):
         seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
         spins += 1
+    _record_timeout(seen, expected, state_ptr, rank, counter_id, index)
+
+
+# ``$0 = *$1`` re-read with acquire semantics at system scope until ``>= $2`` or ``$3`` polls; the loop
+# is inside the asm block, so a Triton loop around it stays one loop (and may be flattened)
+_POLL_PTX = tl.constexpr("""{
+.reg .pred poll_p;
+.reg .pred poll_q;
+.reg .s32 poll_n;
+mov.s32 poll_n, 0;
+POLL_AGAIN:
+ld.acquire.sys.global.b32 $0, [$1];
+setp.lt.s32 poll_p, $0, $2;
+setp.lt.s32 poll_q, poll_n, $3;
+and.pred poll_p, poll_p, poll_q;
+add.s32 poll_n, poll_n, 1;
+@poll_p bra POLL_AGAIN;
+}""")
+
+
+@triton.jit
+def _wait_flag(ptr, expected, state_ptr, rank, counter_id, index, max_spins, IN_PTX: tl.constexpr):
+    """:func:`_spin_until`, with the poll loop in inline PTX when ``IN_PTX`` (GPUs; the CPU interpreter
+    runs no asm)."""
+    if IN_PTX:
+        seen = tl.inline_asm_elementwise(
+            _POLL_PTX,
+            "=r,l,r,r",
+            [ptr.to(tl.int64), expected, max_spins],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+        _record_timeout(seen, expected, state_ptr, rank, counter_id, index)
+    else:
+        _spin_until(ptr, expected, state_ptr, rank, counter_id, index, max_spins)
+
+
+@triton.jit
+def _record_timeout(seen, expected, state_ptr, rank, counter_id, index):
+    """If a wait gave up, keep the first failure in the workspace state (:meth:`SymmWorkspace.check`)."""
     if seen < expected:
         first = tl.atomic_cas(state_ptr + _ERROR, 0, 1) == 0  # keep the first failure
         if first:
@@ -338,19 +379,32 @@ def _gemm_tile(
     state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H, stride_a, stride_c, max_spins,
     WAIT: tl.constexpr, LOCAL_A: tl.constexpr, OUT_REMOTE: tl.constexpr, ROW_SCALE: tl.constexpr,
     PUSH_SCALAR: tl.constexpr, SKIP_MMA: tl.constexpr, B_KN: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLAT: tl.constexpr = False,
+    IN_PTX: tl.constexpr = False, MAX_WORLD: tl.constexpr = 8,
 ):  # fmt: skip
     """GEMM role, one tile: [wait for its expert's rows,] ``A[rows] @ B[expert]``, store locally or remotely.
 
     Returns the expert whose rows are known to have landed (consecutive tiles mostly share one, so
     its flags are polled once for them). ``LOCAL_A``: rows from this rank are read from ``src`` by
-    token (the comm role did not copy them into the pool).
+    token (the comm role did not copy them into the pool). ``FLAT``: waits without branches or Triton
+    loops, for a flattened tile loop (``IN_PTX``: the poll loop in inline PTX).
     """
     pid_m, pid_n = _swizzle(tile_id, num_m, num_n, GROUP_M)
     expert = tl.load(tiles_ptr + 3 * pid_m)
     r0 = tl.load(tiles_ptr + 3 * pid_m + 1)
     r_end = tl.load(tiles_ptr + 3 * pid_m + 2)
-    if WAIT:  # noqa: SIM102 (compile-time branch)
+    if WAIT and FLAT:
+        # no branch and no Triton loop (so the tile loop can be flattened): every source up to
+        # MAX_WORLD is polled, the ones not needed against an epoch that is always reached
+        for s in tl.static_range(MAX_WORLD):
+            need = (s < world) & (expert != ready_expert) & ((s != rank) | (LOCAL_A == 0))
+            src = tl.minimum(s, world - 1)
+            _wait_flag(
+                pool_ready_ptr + src * G + expert, tl.where(need, epoch, -2147483647), state_ptr, rank,
+                _POOL, src * G + expert, max_spins, IN_PTX,
+            )  # fmt: skip
+        ready_expert = expert
+    elif WAIT:  # noqa: SIM102 (compile-time branch)
         if expert != ready_expert:
             for s in range(world):
                 if (s != rank) | (LOCAL_A == 0):
@@ -386,10 +440,10 @@ def _gemm_tile(
         elem = comb_ptr.dtype.element_ty.primitive_bitwidth // 8
         row = tl.multiple_of(shift // elem + pos * N, 8)
         tl.store(comb_ptr + row[:, None] + offs_n[None, :], acc.to(comb_ptr.dtype.element_ty), mask=mask)
-        if PUSH_SCALAR:  # noqa: SIM102 (compile-time branch)
-            if pid_n == 0:
-                v = tl.load(scalar_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
-                tl.store(comb_scalar_ptr + shift // 4 + pos, v, mask=mask_m)
+        if PUSH_SCALAR:  # the first column tile sends it (a mask, not a branch: see FLAT)
+            first_n = mask_m & (pid_n == 0)
+            v = tl.load(scalar_ptr + offs_m, mask=first_n, other=0.0).to(tl.float32)
+            tl.store(comb_scalar_ptr + shift // 4 + pos, v, mask=first_n)
     else:
         c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -406,6 +460,7 @@ def _gemm_tile(
         "stage_slots",
         "num_programs",
         "num_comm",
+        "tail_pct",
         "max_spins",
     ]
 )
@@ -457,8 +512,11 @@ def _fused_kernel(
     stride_c,
     num_programs,
     num_comm,
+    tail_pct,
     max_spins,
     COMM: tl.constexpr,
+    FLAT: tl.constexpr,
+    IN_PTX: tl.constexpr,
     PULL: tl.constexpr,
     PUSH_WEIGHT: tl.constexpr,
     WAIT: tl.constexpr,
@@ -542,7 +600,33 @@ def _fused_kernel(
     # tiles are claimed from a device counter, so comm programs join once their rows are out (a
     # fixed-stride share for the GEMM programs measured no faster: the waits nest loops, which
     # Triton 3.6 cannot flatten).
-    if COMM:
+    if COMM and FLAT:
+        # the GEMM programs take the first tiles at a fixed stride, flattened (their waits are
+        # loop-free); the last ``tail_pct`` % are claimed from the counter by whoever is free, so comm
+        # programs join once their rows are out
+        gemm_pid = pid - num_comm
+        num_static = total - (total * tail_pct + 99) // 100
+        first = tl.where(gemm_pid >= 0, gemm_pid, num_static)  # comm programs skip this part
+        ready_expert = -1
+        for tile_id in tl.range(first, num_static, tl.maximum(num_programs - num_comm, 1), flatten=True):
+            ready_expert = _gemm_tile(
+                tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr,
+                send_token_ptr, a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr,
+                row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
+                stride_a, stride_c, max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR,
+                SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, IN_PTX,
+            )  # fmt: skip
+        tile_id = num_static + tl.atomic_add(state_ptr + _TILE, 1)
+        while tile_id < total:
+            ready_expert = _gemm_tile(
+                tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr,
+                send_token_ptr, a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr,
+                row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
+                stride_a, stride_c, max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR,
+                SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, IN_PTX,
+            )  # fmt: skip
+            tile_id = num_static + tl.atomic_add(state_ptr + _TILE, 1)
+    elif COMM:
         ready_expert = -1
         tile_id = tl.atomic_add(state_ptr + _TILE, 1)
         while tile_id < total:

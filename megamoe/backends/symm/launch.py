@@ -41,6 +41,19 @@ def comm_programs(device: torch.device) -> int:
     return int(os.environ.get("MEGAMOE_SYMM_COMM_PROGRAMS", "40"))
 
 
+def flat_waits() -> bool:
+    """``MEGAMOE_SYMM_FLAT_WAIT=1``: launches with a comm role run the GEMM programs' first tiles in a
+    flattened fixed-stride loop with loop-free waits (a poll loop in inline PTX on GPUs), the rest
+    from the counter. Off by default until measured on GPUs."""
+    return os.environ.get("MEGAMOE_SYMM_FLAT_WAIT", "0") == "1"
+
+
+def tail_percent() -> int:
+    """With :func:`flat_waits`: per cent of the tiles claimed from the device counter
+    (``MEGAMOE_SYMM_TAIL``, default 25), where the comm programs join the GEMM."""
+    return int(os.environ.get("MEGAMOE_SYMM_TAIL", "25"))
+
+
 def begin_op(ws: SymmWorkspace, counts_E: Tensor | None = None) -> None:
     """Bump the epoch and barrier with every EP rank; with ``counts_E``, also publish this rank's counts."""
     E = ws.key.num_experts
@@ -212,8 +225,11 @@ def fused_gemm(
         out_RN.stride(0) if out_RN is not None else 0,
         grid,
         min(num_comm or comm_programs(a_RK.device), grid),
+        tail_percent(),
         max_spins(),
         COMM=push is not None,
+        FLAT=flat_waits() and ws.world <= 8,
+        IN_PTX=a_RK.is_cuda,
         PULL=push is not None and push.pull,
         PUSH_WEIGHT=push is not None and push.weights_TK is not None,
         WAIT=wait,

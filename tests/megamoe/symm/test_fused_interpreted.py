@@ -26,7 +26,10 @@ def _rank(rank: int, world: int, case: tuple, layers: int, dispatch: str) -> lis
 
     install()
     os.environ["MEGAMOE_EP_TRANSPORT"] = "symm"
-    os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
+    mode, _, flat_tail = dispatch.partition("+flat")
+    os.environ["MEGAMOE_SYMM_DISPATCH"] = mode
+    os.environ["MEGAMOE_SYMM_FLAT_WAIT"] = "1" if flat_tail else "0"
+    os.environ["MEGAMOE_SYMM_TAIL"] = flat_tail or "25"
     os.environ["MEGAMOE_SYMM_DEBUG"] = "1"
     os.environ["MEGAMOE_SYMM_MAX_TOKENS"] = str(max(max(t.shape[0] for t in layer) for layer in case[0]))
     out = []
@@ -77,9 +80,13 @@ def _check(results, case, world: int) -> None:
 
 
 DISPATCH = pytest.mark.parametrize("dispatch", ["push", "pull"])
+# and push with flattened fixed-stride GEMM programs: no tail, a quarter, every tile from the counter
+LAYER_DISPATCH = pytest.mark.parametrize(
+    "dispatch", ["push", "pull", "push+flat0", "push+flat25", "push+flat100"]
+)
 
 
-@DISPATCH
+@LAYER_DISPATCH
 @pytest.mark.parametrize(
     ("tokens", "drop"),
     [([[11, 6]], 0.1), ([[9, 0]], 0.0)],
@@ -90,7 +97,7 @@ def test_fused_ep2_matches_reference(tmp_path, tokens, drop, dispatch) -> None:
     _check(run_ranks(_rank, 2, tmp_path, case, len(tokens), dispatch, timeout=600), case, 2)
 
 
-@DISPATCH
+@LAYER_DISPATCH
 def test_back_to_back_layers_reuse_one_workspace(tmp_path, dispatch) -> None:
     """Three layers with new routing each: every op overwrites the pools the previous one used."""
     case = _cases([[7, 5], [4, 9], [8, 8]], H=16, I=8, E=4, K=2, drop=0.2)
