@@ -153,11 +153,13 @@ def test_quantize_segments_blocks_start_at_each_segment_and_match_quantize_mx(ga
         assert torch.equal(scale[:, b0 : b0 + nb], want.scale.t()), f"expert {g} scales"
 
 
-def test_quantize_transposed_weight_equals_quantize_mx_of_the_transpose() -> None:
-    w = spread(3 * 50, 24, seed=4).reshape(3, 50, 24)
+@pytest.mark.parametrize("Y", [50, 64], ids=["short-last-block", "whole-blocks"])
+def test_quantize_transposed_weight_equals_quantize_mx_of_the_transpose(Y: int) -> None:
+    """Y = 64: whole blocks, stores without a lane mask (the path the real weights take)."""
+    w = spread(3 * Y, 24, seed=4).reshape(3, Y, 24)
     out = MXTensor(
-        data=torch.empty(3, 24, 50, dtype=torch.float8_e4m3fn, device=DEVICE),
-        scale=torch.empty(2, 3, 24, dtype=torch.uint8, device=DEVICE).permute(1, 2, 0),
+        data=torch.empty(3, 24, Y, dtype=torch.float8_e4m3fn, device=DEVICE),
+        scale=torch.empty(-(-Y // 32), 3, 24, dtype=torch.uint8, device=DEVICE).permute(1, 2, 0),
         dim=2,
     )
     quantize_transposed_weight(w.to(DEVICE), out)
