@@ -47,17 +47,22 @@ T, TOPK, G, H, I = 8192, 8, 32, 7168, 2048
 
 GEMM_CANDIDATES: list[dict] = [
     {},  # the default (configs.GPU_GEMM)
-    {"BLOCK_K": 128, "num_stages": 3},
     {"BLOCK_K": 64, "num_stages": 3},
-    {"BLOCK_K": 32, "num_stages": 6},
-    {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    # one warpgroup a program (255 registers, 57 KB shared): two fit on an SM, and their CTA-wide
+    # barriers are independent, so one's 32-deep MMA overlaps the other's scaled accumulate (Triton
+    # 3.6 waits for every non-accumulating wgmma at once: no overlap inside one program)
+    {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "PROGRAMS_PER_SM": 2},
+    {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 6, "PROGRAMS_PER_SM": 2},
+    {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "PROGRAMS_PER_SM": 2},
 ]
-"""Overrides of the M-grouped MX GEMM's default tile (BLOCK_M stays the routing plan's 128)."""
+"""Overrides of the M-grouped MX GEMM's default tile (BLOCK_M stays the routing plan's 128);
+``PROGRAMS_PER_SM`` multiplies the persistent grid (``num_sms`` programs by default)."""
 WGRAD_CANDIDATES: list[dict] = [
     {},  # the default (configs.GPU_WGRAD)
-    {"BLOCK_K": 128, "num_stages": 3},
-    {"BLOCK_K": 32, "num_stages": 6},
-    {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "PROGRAMS_PER_SM": 2},
+    {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "PROGRAMS_PER_SM": 2},
 ]
 """Overrides of the MX wgrad's default tile; BLOCK_K / 32 must divide WGRAD_BLOCK_ALIGN."""
 

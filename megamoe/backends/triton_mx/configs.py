@@ -11,6 +11,8 @@ is loaded per stage, one stage ahead. Compiled offline for sm_90a (ptxas -v), 12
 has no spills at BLOCK_K=64 (the scale columns of both 32-deep steps held in registers, 64 a thread
 for B), and spills about 1.5 KB at BLOCK_K=128 (four steps' columns: 128 registers), so 64 is the
 default. Not yet measured on an H200: the sweep prints the candidates and the default.
+An optional ``PROGRAMS_PER_SM`` (default 1) multiplies the persistent grid: two one-warpgroup programs
+(``BLOCK_N=64``, 4 warps) fit on an SM and overlap each other's MMA and scaled accumulate (docs/mxfp8.md).
 The CPU interpreter gets tiny tiles (two 32-deep steps per stage, so the split stays tested).
 """
 

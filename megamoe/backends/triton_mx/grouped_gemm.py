@@ -151,7 +151,7 @@ def mx_grouped_gemm(
         raise ValueError("scales: expected ceil(K / 32) codes per row")
     b_desc = TensorDescriptor.from_tensor(b.data, [1, bn, BLOCK])
     a_desc = TensorDescriptor.from_tensor(a.data, [bm, BLOCK]) if a_rows is None else None
-    grid_size = max(1, min(num_sms, plan.max_tiles * triton.cdiv(N, bn)))
+    grid_size = max(1, min(num_sms * config.get("PROGRAMS_PER_SM", 1), plan.max_tiles * triton.cdiv(N, bn)))
     _mx_grouped_gemm_kernel[(grid_size,)](
         a.data,
         a_desc,

@@ -116,7 +116,7 @@ def mx_wgrad(
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     p_desc = TensorDescriptor.from_tensor(p.data, [bm, BLOCK])
     q_desc = TensorDescriptor.from_tensor(q.data, [bn, BLOCK])
-    grid_size = min(num_sms, G * triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    grid_size = min(num_sms * config.get("PROGRAMS_PER_SM", 1), G * triton.cdiv(M, bm) * triton.cdiv(N, bn))
     _mx_wgrad_kernel[(grid_size,)](
         p_desc,
         q_desc,

@@ -161,3 +161,35 @@ def test_mx_grouped_gemm_nan_block_poisons_only_its_rows() -> None:
     mx_grouped_gemm(a, b, out, plan, config=gemm_config(DEVICE), num_sms=num_programs(DEVICE))
     assert a.scale[3, 0] == 255
     assert torch.isnan(out[3]).all() and torch.isfinite(out[torch.arange(T) != 3]).all()
+
+
+def test_mx_gemms_programs_per_sm_change_only_the_grid() -> None:
+    """``PROGRAMS_PER_SM`` (two co-resident 4-warp programs on an H200) launches more persistent programs:
+    every tile is still summed by one program in the same order, so the outputs are bitwise equal."""
+    T, KD, N, G = 40, 96, 48, 3
+    idx = _routing(T, 2, G, drop=0.1, empty=0, seed=5)
+    plan = build_routing_plan(idx.to(DEVICE), num_experts=G, block_m=block_m(DEVICE))
+    a = quantize_rows(spread(T, KD, seed=6).to(DEVICE))
+    b = quantize_mx(spread(G * N, KD, seed=7).reshape(G, N, KD).to(DEVICE), dim=-1)
+    outs = []
+    for per_sm in (1, 3):
+        out = torch.zeros(plan.row_token_R.shape[0], N, device=DEVICE)
+        config = {**gemm_config(DEVICE), "PROGRAMS_PER_SM": per_sm}
+        mx_grouped_gemm(a, b, out, plan, config=config, num_sms=1, a_rows=plan.row_token_R)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+    starts = plan.expert_start_G1
+    align = wgrad_config(DEVICE)["BLOCK_K"] // 32
+    block_start = segment_block_starts(starts, align=align)
+    num_blocks = -(-int(starts[-1]) // 32) + G * align
+    R = plan.row_token_R.shape[0]
+    p = quantize_segments(spread(R, 32, seed=8).to(DEVICE), starts, block_start, num_blocks)
+    q = quantize_segments(spread(R, 48, seed=9).to(DEVICE), starts, block_start, num_blocks)
+    wouts = []
+    for per_sm in (1, 3):
+        out = torch.empty(G, 32, 48, device=DEVICE)
+        config = {**wgrad_config(DEVICE), "PROGRAMS_PER_SM": per_sm}
+        mx_wgrad(p, q, out, block_start, config=config, num_sms=1, block_align=align)
+        wouts.append(out)
+    assert torch.equal(wouts[0], wouts[1])
