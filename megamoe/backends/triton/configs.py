@@ -38,6 +38,11 @@ GEMM1_VARIANTS: dict[str, dict] = {
     "two-dots+tma-store": {"SPLIT_GATE_UP": True, "STORE_TMA": 1, "FLATTEN": False},
     "not-flattened": {"FLATTEN": False},
     "tma-store-dev+group-m-16": {"STORE_TMA": 2, "GROUP_M": 16},
+    # flattened, host-descriptor TMA stores without a branch: ragged last tiles shifted back to end at
+    # the segment end, experts of < BLOCK_M rows by a second pointer-store launch (no convert_layout,
+    # 168 registers, 213 KB shared memory when compiled for sm_90a)
+    "tma-store-shifted": {"STORE_TMA": 3},
+    "tma-store-shifted+group-m-16": {"STORE_TMA": 3, "GROUP_M": 16},
 }
 _KERNEL_KNOBS = ("STORE_TMA", "SPLIT_GATE_UP", "FLATTEN")
 

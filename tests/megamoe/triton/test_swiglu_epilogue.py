@@ -117,7 +117,7 @@ def test_gemm1_swiglu_epilogue_equals_gemm1_then_swiglu_pass_bitwise(case, dtype
     _assert_bitwise(act[:valid], act_old[:valid], "act")
 
 
-@pytest.mark.parametrize("store_tma", [1, 2])
+@pytest.mark.parametrize("store_tma", [1, 2, 3])
 @pytest.mark.parametrize(
     "case", [CASES["drops-empty-experts"], (64, 16, 24, 2, 2, 0.0, 0)], ids=["ragged", "full"]
 )
