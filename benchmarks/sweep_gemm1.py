@@ -7,7 +7,10 @@ with ``triton.testing.do_bench`` (median, L2 flushed before each repeat):
 
 * ``torch._grouped_mm`` on rows already gathered into expert order (``h`` only, no SwiGLU);
 * ``plain``: our GEMM1 kernel without the SwiGLU epilogue (row gather fused, writes ``h`` only);
-* every entry of ``configs.GEMM1_VARIANTS`` (row gather fused, writes ``h`` and ``act``).
+* every entry of ``configs.GEMM1_VARIANTS`` (row gather fused, writes ``h`` and ``act``); the
+  ``tma-store-shifted`` ones (``STORE_TMA=3``) are timed with their second, ``SMALL_ONLY`` launch (here
+  a scan of the tile table: uniform routing leaves no expert below BLOCK_M rows), and their bitwise
+  check covers the shifted ragged last tiles (random routing: most experts end in a ragged tile).
 
 Each variant's ``h`` and ``act`` are compared bitwise with the default variant's (``plain``: ``h`` only);
 a variant that fails to compile or run is reported and the others go on. TFLOP/s count the GEMM only
