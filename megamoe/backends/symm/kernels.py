@@ -596,10 +596,9 @@ def _fused_kernel(
     num_n = tl.cdiv(N, BLOCK_N)
     total = num_m * num_n
     # Without a comm role every program takes tiles at a fixed stride and Triton pipelines across
-    # tiles (flatten): 12-22 % faster than claiming each tile from a counter on 2 x H200. With one,
-    # tiles are claimed from a device counter, so comm programs join once their rows are out (a
-    # fixed-stride share for the GEMM programs measured no faster: the waits nest loops, which
-    # Triton 3.6 cannot flatten).
+    # tiles (flatten): 12-22 % faster than claiming each tile from a counter on 2 x H200. With one
+    # (FLAT), the same for the GEMM programs' share, whose waits must then hold no loop or branch
+    # (Triton 3.6's loop fusion fails on them); otherwise every tile comes from the counter.
     if COMM and FLAT:
         # the GEMM programs take the first tiles at a fixed stride, flattened (their waits are
         # loop-free); the last ``tail_pct`` % are claimed from the counter by whoever is free, so comm

@@ -42,10 +42,11 @@ def comm_programs(device: torch.device) -> int:
 
 
 def flat_waits() -> bool:
-    """``MEGAMOE_SYMM_FLAT_WAIT=1``: launches with a comm role run the GEMM programs' first tiles in a
-    flattened fixed-stride loop with loop-free waits (a poll loop in inline PTX on GPUs), the rest
-    from the counter. Off by default until measured on GPUs."""
-    return os.environ.get("MEGAMOE_SYMM_FLAT_WAIT", "0") == "1"
+    """Launches with a comm role run the GEMM programs' first tiles in a flattened fixed-stride loop
+    with loop-free waits (the poll loop in inline PTX on GPUs), the rest from the counter; measured
+    faster on 2 x H200 (layer 1.42x against 1.39x the NCCL pipeline). ``MEGAMOE_SYMM_FLAT_WAIT=0``
+    claims every tile from the counter."""
+    return os.environ.get("MEGAMOE_SYMM_FLAT_WAIT", "1") == "1"
 
 
 def tail_percent() -> int:
