@@ -135,9 +135,7 @@ def _inputs(shape, routing: str, world: int, rank: int):
     return x, idx, tw, w1, w2
 
 
-def bench_stages(
-    name: str, shape, routing: str, group, mode: str, dispatch_modes: tuple[str, ...] = ("push", "pull")
-) -> list[StageResult]:
+def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[StageResult]:
     """T_comm, T_gemm, T_measured and the serial time of the fused ops of ``mode``.
 
     ``dispatch_grouped_gemm``: the ops that dispatch rows (forward stage 1, backward dy dispatch);
@@ -275,7 +273,7 @@ def bench_stages(
     ]
     results = []
     ops = dispatch_ops if mode == "dispatch_grouped_gemm" else combine_ops
-    for dispatch in dispatch_modes:  # every op that moves rows to the experts, both ways
+    for dispatch in launch.DISPATCH_MODES:  # every op that moves rows to the experts, both ways
         os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
         for stage, full, comm, gemm_leg, serial in ops:
             if "dispatch" not in stage:

@@ -51,6 +51,9 @@ _DONE = tl.constexpr(STATE_DONE)
 _ERROR = tl.constexpr(STATE_ERROR)
 _ARRIVE = tl.constexpr(COUNTER_ARRIVE)
 _POOL = tl.constexpr(COUNTER_POOL)
+MAX_FLAT_WORLD = 8
+"""largest EP group whose waits the flattened tile loop unrolls (larger groups claim every tile)"""
+_MAX_FLAT_WORLD = tl.constexpr(MAX_FLAT_WORLD)
 
 
 @triton.jit
@@ -380,7 +383,7 @@ def _gemm_tile(
     WAIT: tl.constexpr, LOCAL_A: tl.constexpr, OUT_REMOTE: tl.constexpr, ROW_SCALE: tl.constexpr,
     PUSH_SCALAR: tl.constexpr, SKIP_MMA: tl.constexpr, B_KN: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLAT: tl.constexpr = False,
-    IN_PTX: tl.constexpr = False, MAX_WORLD: tl.constexpr = 8,
+    IN_PTX: tl.constexpr = False,
 ):  # fmt: skip
     """GEMM role, one tile: [wait for its expert's rows,] ``A[rows] @ B[expert]``, store locally or remotely.
 
@@ -395,8 +398,8 @@ def _gemm_tile(
     r_end = tl.load(tiles_ptr + 3 * pid_m + 2)
     if WAIT and FLAT:
         # no branch and no Triton loop (so the tile loop can be flattened): every source up to
-        # MAX_WORLD is polled, the ones not needed against an epoch that is always reached
-        for s in tl.static_range(MAX_WORLD):
+        # MAX_FLAT_WORLD is polled, the ones not needed against an epoch that is always reached
+        for s in tl.static_range(_MAX_FLAT_WORLD):
             need = (s < world) & (expert != ready_expert) & ((s != rank) | (LOCAL_A == 0))
             src = tl.minimum(s, world - 1)
             _wait_flag(

@@ -10,7 +10,7 @@ import triton
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.backends.symm.kernels import _barrier_kernel, _fused_kernel, _wait_kernel
+from megamoe.backends.symm.kernels import MAX_FLAT_WORLD, _barrier_kernel, _fused_kernel, _wait_kernel
 from megamoe.backends.symm.workspace import SymmWorkspace, debug_enabled
 from megamoe.backends.triton.configs import gemm_config, num_programs
 from megamoe.errors import InvalidConfigError
@@ -229,7 +229,7 @@ def fused_gemm(
         tail_percent(),
         max_spins(),
         COMM=push is not None,
-        FLAT=flat_waits() and ws.world <= 8,
+        FLAT=flat_waits() and ws.world <= MAX_FLAT_WORLD,
         IN_PTX=a_RK.is_cuda,
         PULL=push is not None and push.pull,
         PUSH_WEIGHT=push is not None and push.weights_TK is not None,

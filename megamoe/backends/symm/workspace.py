@@ -169,9 +169,7 @@ class BufferLayout:
             ptrs_dev=ptrs_dev,
             keepalive=keepalive,
             state=torch.zeros(16, dtype=torch.int32, device=buffer.device),
-            task_done=torch.zeros(
-                self.world * (key.num_experts // self.world), dtype=torch.int32, device=buffer.device
-            ),
+            task_done=torch.zeros(key.num_experts, dtype=torch.int32, device=buffer.device),
             offsets=self.offsets,
             shapes=self.shapes,
         )
