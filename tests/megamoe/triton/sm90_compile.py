@@ -1,0 +1,239 @@
+"""Compile the one-GPU bf16 Triton kernels (``megamoe.backends.triton``) for sm_90a on the CPU (no GPU)
+at the launches the CUDA path makes, and print a JSON report: whether each compiled, its shared memory,
+and ptxas's registers and spills.
+
+Run in a process without ``TRITON_INTERPRET`` (the interpreter replaces ``@triton.jit`` kernels, which
+then cannot be compiled), from the repository root: ``python -m tests.megamoe.triton.sm90_compile``.
+:func:`compile_kernel` is shared with ``tests/megamoe/triton_mx/sm90_compile.py``.
+
+A launch is described as the launcher calls the kernel: every argument by name, with tensors as their
+pointer type (``"*bf16"``, taken 16-byte aligned), TMA descriptors as their ``tensordesc<...>`` type,
+``None`` for an absent tensor, and integers by their value at DeepSeek-V3's per-rank bench shape
+(``megamoe.bench.MODELS``), specialised as Triton 3.6 does at launch (1 is a constexpr, a multiple of
+16 gets the divisibility hint). Tile shapes come from ``configs.gemm_config``/``wgrad_config`` for a
+CUDA device; the other constexprs are the launchers' formulas, restated here (the launcher is named).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from megamoe.backends.triton.combine import _combine_kernel
+from megamoe.backends.triton.configs import gemm_config, wgrad_config
+from megamoe.backends.triton.grouped_gemm import _grouped_gemm_kernel
+from megamoe.backends.triton.padding import _zero_padding_rows_kernel
+from megamoe.backends.triton.routing import _histogram_kernel, _offsets_kernel, _scatter_kernel
+from megamoe.backends.triton.swiglu import _swiglu_backward_kernel, _swiglu_forward_kernel
+from megamoe.backends.triton.wgrad import _wgrad_kernel
+from megamoe.bench import MODELS
+
+_PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+CUDA = torch.device("cuda")  # only its type is read: the config functions pick the GPU tiles
+NUM_SMS = 132  # an H200's multiprocessors: the persistent kernels' num_programs
+LAUNCH_KEYS = ("num_warps", "num_stages")  # config keys that are launch options, not constexprs
+
+
+def _argument(value):
+    """(signature type, divisible by 16) of a runtime argument, or None for a constexpr value."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):  # Triton 3.6's launch specialisation of integers
+        if value == 1:
+            return None
+        return ("i32" if -(2**31) <= value < 2**31 else "i64"), value % 16 == 0
+    if isinstance(value, str):
+        return value, value.startswith("*")  # tensors taken 16-byte aligned; descriptors carry no hint
+    raise TypeError(f"unsupported argument {value!r}")
+
+
+def config_constexprs(kernel, config: dict, launcher_only: tuple[str, ...] = (), **defaults) -> dict:
+    """The config's kernel constexprs over the launcher's ``defaults`` (``config.get(key, default)``);
+    every other config key must be a launch option or ``launcher_only``."""
+    params = set(kernel.arg_names)
+    stray = [k for k in config if k not in params and k not in LAUNCH_KEYS and k not in launcher_only]
+    if stray:
+        raise KeyError(f"config keys {stray} are neither {kernel.__name__} parameters nor launch options")
+    return defaults | {k: v for k, v in config.items() if k in params}
+
+
+def compile_kernel(kernel, args: dict, *, num_warps: int = 4, num_stages: int = 3) -> dict:
+    """Compile ``kernel`` for sm_90a with ``args`` (every parameter by name, see the module docstring) and
+    the launch options (defaults: Triton's); run the bundled ptxas on its PTX."""
+    names = kernel.arg_names
+    if set(args) != set(names):
+        missing, extra = sorted(set(names) - set(args)), sorted(set(args) - set(names))
+        return {"compiled": False, "error": f"arguments do not match: missing {missing}, unknown {extra}"}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(zip(names, kernel.params, strict=True)):
+        arg = None if param.is_constexpr else _argument(args[name])
+        if arg is None:
+            signature[name] = "constexpr"
+            constexprs[name] = args[name]
+        else:
+            signature[name] = arg[0]
+            if arg[1]:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    try:
+        compiled = triton.compile(
+            ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": num_warps, "num_stages": num_stages},
+        )
+    except Exception as error:  # report it: the test names the launch that failed
+        return {"compiled": False, "error": f"{type(error).__name__}: {error}"[:800]}
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    ptxas = subprocess.run(
+        [_PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True
+    )
+    os.unlink(f.name)
+    info = ptxas.stdout + ptxas.stderr
+    if ptxas.returncode:
+        return {"compiled": False, "error": f"ptxas: {info}"[:800]}
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", info))
+    registers = int(m.group(1)) if (m := re.search(r"Used (\d+) registers", info)) else -1
+    return {
+        "compiled": True,
+        "shared": compiled.metadata.shared,
+        "registers": registers,
+        "spill_bytes": spills,
+    }
+
+
+_PENDING: list[tuple] = []  # the launches of report(), inherited by its forked workers
+
+
+def _run(index: int) -> dict:
+    kernel, args, options = _PENDING[index]
+    return compile_kernel(kernel, args, **options)
+
+
+def report(launches: dict) -> dict:
+    """Compile every launch (``name: (kernel, args, launch options)``), spread over the machine's cores."""
+    _PENDING[:] = launches.values()
+    workers = min(len(launches), os.cpu_count() or 1)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return dict(zip(launches, pool.map(_run, range(len(launches))), strict=True))
+
+
+# ---- launches of megamoe.backends.triton (ops.py, the symm and MXFP8 backends share the small kernels)
+
+_SHAPE = MODELS["DeepSeek-V3"]
+T, TOPK, G, H, I = _SHAPE.tokens, _SHAPE.topk, _SHAPE.experts, _SHAPE.hidden, _SHAPE.inter
+R = T * TOPK
+
+
+def _gemm(op: str, *, a_mode: int, b_kn: bool, swiglu: bool, N: int, K: int) -> tuple:
+    """grouped_gemm.grouped_gemm: ``a`` [rows, K] by TMA (a_mode 0) or gathered through ``a_rows``."""
+    cfg = gemm_config(op, CUDA)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if swiglu:
+        b_box = f"[1,2,{bn // 2},{bk}]"
+    else:
+        b_box = f"[1,{bk},{bn}]" if b_kn else f"[1,{bn},{bk}]"
+    args = dict(
+        a_ptr="*bf16", a_desc=f"tensordesc<bf16[{bm},{bk}]>" if a_mode == 0 else None,
+        a_rows_ptr="*i32" if a_mode == 1 else None, b_desc=f"tensordesc<bf16{b_box}>", c_ptr="*bf16",
+        act_ptr="*bf16" if swiglu else None, tiles_ptr="*i32", num_tiles_ptr="*i32", N=N, K=K, stride_a=K,
+        stride_c=N, stride_act=N // 2 if swiglu else 0, num_programs=NUM_SMS, A_MODE=a_mode, B_KN=b_kn,
+        SWIGLU=swiglu, **config_constexprs(_grouped_gemm_kernel, cfg, GROUP_M=8),
+    )  # fmt: skip
+    return _grouped_gemm_kernel, args, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def _wgrad(M: int, N: int) -> tuple:
+    """wgrad.grouped_wgrad: ``dW [G, M, N]`` from contiguous expert-sorted ``P [R, M]``, ``Q [R, N]``."""
+    cfg = wgrad_config(CUDA)
+    args = dict(
+        p_ptr="*bf16", q_ptr="*bf16", out_ptr="*bf16", expert_start_ptr="*i32", G=G, M=M, N=N,
+        num_programs=NUM_SMS, **config_constexprs(_wgrad_kernel, cfg, GROUP_M=8),
+    )  # fmt: skip
+    return _wgrad_kernel, args, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def _swiglu_blocks(inter: int) -> tuple[int, int]:
+    """swiglu._blocks on CUDA: (BLOCK_R, BLOCK_I)."""
+    block_i = min(triton.next_power_of_2(inter), 256)
+    return max(1, 4096 // block_i), block_i
+
+
+def _routing(experts: int) -> dict:
+    """routing.build_routing_plan on CUDA (BINS, BLOCK_S and CHUNK depend on the local expert count)."""
+    bins = triton.next_power_of_2(experts + 1)
+    block_s = max(16, min(1024, 16384 // bins))
+    chunk = max(16, min(256, 32768 // bins))
+    S = T * TOPK
+    blocks = triton.cdiv(S, block_s)
+    warps = {"num_warps": 8}
+    hist = dict(idx_ptr="*i64", counts_ptr="*i32", S=S, G=experts, BLOCK_S=block_s, BINS=bins)
+    offsets = dict(
+        counts_ptr="*i32", base_ptr="*i32", expert_start_ptr="*i32", tiles_ptr="*i32", num_tiles_ptr="*i32",
+        num_blocks=blocks, G=experts, max_tiles=triton.cdiv(S, 128) + experts, BLOCK_M=128, BINS=bins,
+        CHUNK=chunk,
+    )  # fmt: skip
+    scatter = dict(
+        idx_ptr="*i64", base_ptr="*i32", row_slot_ptr="*i32", row_token_ptr="*i32", slot_row_ptr="*i32",
+        S=S, G=experts, K=TOPK, BLOCK_S=block_s, BINS=bins,
+    )  # fmt: skip
+    return {
+        f"routing histogram, BINS={bins}": (_histogram_kernel, hist, warps),
+        f"routing offsets, BINS={bins}": (_offsets_kernel, offsets, warps),
+        f"routing scatter, BINS={bins}": (_scatter_kernel, scatter, warps),
+    }
+
+
+def _small_kernels() -> dict:
+    """swiglu.swiglu_forward/backward, combine.combine (weighted: GEMM2; not: the dgrad's dx) and
+    padding.zero_padding_rows, as they launch on CUDA."""
+    block_r, block_i = _swiglu_blocks(I)
+    block_h = min(triton.next_power_of_2(H), 2048)
+    forward = dict(h_ptr="*bf16", a_ptr="*bf16", valid_ptr="*i32", I=I, BLOCK_R=block_r, BLOCK_I=block_i)
+    backward = dict(
+        h_ptr="*bf16", da_ptr="*bf16", weight_ptr="*fp32", dh_ptr="*bf16", aw_ptr="*bf16",
+        d_weight_ptr="*fp32", valid_ptr="*i32", R=R, I=I, BLOCK_R=min(block_r, 16), BLOCK_I=block_i,
+    )  # fmt: skip
+    padding = dict(
+        out_ptr="*bf16", valid_rows_ptr="*i32", R=R, N=2 * I, BLOCK_R=32,
+        BLOCK_N=min(triton.next_power_of_2(2 * I), 256),
+    )  # fmt: skip
+    launches = {
+        "swiglu forward": (_swiglu_forward_kernel, forward, {}),
+        "swiglu backward": (_swiglu_backward_kernel, backward, {}),
+        "zero padding rows": (_zero_padding_rows_kernel, padding, {}),
+    }
+    for weighted in (True, False):
+        combine = dict(
+            rows_ptr="*bf16", slot_row_ptr="*i32", weight_ptr="*fp32" if weighted else None, out_ptr="*bf16",
+            H=H, K=TOPK, WEIGHTED=weighted, BLOCK_H=block_h,
+        )  # fmt: skip
+        name = f"combine, {'weighted' if weighted else 'unweighted'}"
+        launches[name] = (_combine_kernel, combine, {"num_warps": 4 if block_h <= 1024 else 8})
+    return launches
+
+
+LAUNCHES = {
+    "gemm1: row gather + SwiGLU epilogue": _gemm("gemm1", a_mode=1, b_kn=False, swiglu=True, N=2 * I, K=H),
+    "gemm1: plain row gather": _gemm("gemm1", a_mode=1, b_kn=False, swiglu=False, N=2 * I, K=H),
+    "gemm2: A by TMA": _gemm("gemm2", a_mode=0, b_kn=False, swiglu=False, N=H, K=I),
+    "dgrad: A by TMA, B [K, N]": _gemm("dgrad1", a_mode=0, b_kn=True, swiglu=False, N=H, K=2 * I),
+    "wgrad (K-grouped)": _wgrad(H, I),
+    **_small_kernels(),
+    # the routing tables at each bench model's expert count (their tiles depend on it)
+    **{k: v for shape in MODELS.values() for k, v in _routing(shape.experts).items()},
+}
+
+
+if __name__ == "__main__":
+    json.dump(report(LAUNCHES), sys.stdout, indent=1)
