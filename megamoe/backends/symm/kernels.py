@@ -598,26 +598,32 @@ def _fused_kernel(
     num_m = tl.load(num_tiles_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
     total = num_m * num_n
-    # Without a comm role every program takes tiles at a fixed stride and Triton pipelines across
-    # tiles (flatten): 12-22 % faster than claiming each tile from a counter on 2 x H200. With one
-    # (FLAT), the same for the GEMM programs' share, whose waits must then hold no loop or branch
-    # (Triton 3.6's loop fusion fails on them); otherwise every tile comes from the counter.
-    if COMM and FLAT:
-        # the GEMM programs take the first tiles at a fixed stride, flattened (their waits are
-        # loop-free); the last ``tail_pct`` % are claimed from the counter by whoever is free, so comm
-        # programs join once their rows are out
+    # Tiles [0, num_static) go to the GEMM programs at a fixed stride, and Triton pipelines across
+    # tiles (flatten): 12-22 % faster than claiming each tile from a counter on 2 x H200. With a comm
+    # role the rest are claimed from a device counter by whoever is free, so comm programs join once
+    # their rows are out. A flattened loop may hold no loop or branch (Triton 3.6's loop fusion fails
+    # on them), so with a comm role it needs FLAT's loop-free waits; without FLAT every tile comes
+    # from the counter.
+    if COMM:
         gemm_pid = pid - num_comm
-        num_static = total - (total * tail_pct + 99) // 100
-        first = tl.where(gemm_pid >= 0, gemm_pid, num_static)  # comm programs skip this part
-        ready_expert = -1
-        for tile_id in tl.range(first, num_static, tl.maximum(num_programs - num_comm, 1), flatten=True):
+        gemm_programs = tl.maximum(num_programs - num_comm, 1)
+        num_static = total - (total * tail_pct + 99) // 100 if FLAT else 0
+    else:
+        gemm_pid = pid
+        gemm_programs = num_programs
+        num_static = total
+    first = tl.where(gemm_pid >= 0, gemm_pid, num_static)  # comm programs skip the fixed-stride part
+    ready_expert = -1
+    if FLAT or not COMM:
+        for tile_id in tl.range(first, num_static, gemm_programs, flatten=True):
             ready_expert = _gemm_tile(
                 tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr,
                 send_token_ptr, a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr,
                 row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
                 stride_a, stride_c, max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR,
-                SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, IN_PTX,
+                SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAT, IN_PTX,
             )  # fmt: skip
+    if COMM:
         tile_id = num_static + tl.atomic_add(state_ptr + _TILE, 1)
         while tile_id < total:
             ready_expert = _gemm_tile(
@@ -625,30 +631,9 @@ def _fused_kernel(
                 send_token_ptr, a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr,
                 row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
                 stride_a, stride_c, max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR,
-                SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, IN_PTX,
+                SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAT, IN_PTX,
             )  # fmt: skip
             tile_id = num_static + tl.atomic_add(state_ptr + _TILE, 1)
-    elif COMM:
-        ready_expert = -1
-        tile_id = tl.atomic_add(state_ptr + _TILE, 1)
-        while tile_id < total:
-            ready_expert = _gemm_tile(
-                tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr,
-                send_token_ptr, a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr,
-                row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
-                stride_a, stride_c, max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR,
-                SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-            )  # fmt: skip
-            tile_id = tl.atomic_add(state_ptr + _TILE, 1)
-    else:
-        for tile_id in tl.range(pid, total, num_programs, flatten=True):
-            _gemm_tile(
-                tile_id, -1, epoch, bases, rank, world, G, num_m, num_n, src_ptr, send_token_ptr,
-                a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr, row_pos_ptr, tiles_ptr,
-                state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H, stride_a, stride_c,
-                max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR, SKIP_MMA, B_KN,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-            )  # fmt: skip
     # the last program out resets the counters for the next launch and, with SIGNAL, tells every
     # rank that all rows it is owed from here have landed
     tl.debug_barrier()
