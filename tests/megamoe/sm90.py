@@ -1,0 +1,35 @@
+"""Shared check of the ``test_compile_sm90`` tests: a package's kernels compile for Hopper (sm_90a) on the CPU.
+
+Each package has an ``sm90_compile`` module that compiles its kernels' CUDA launches with Triton's
+``GPUTarget`` and the ``ptxas`` Triton ships, and prints a JSON report. It runs in a fresh process
+because ``TRITON_INTERPRET=1`` (set for the other CPU tests) replaces ``@triton.jit`` kernels with
+interpreted ones, which cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parents[2]
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper block may use
+
+
+def assert_compiles_for_sm90(module: str, known_spills: dict[str, int] | None = None) -> None:
+    """Run ``python -m module`` and check every launch compiled, within shared memory, spilling no more
+    than ``known_spills`` (bytes by launch name; none for the others)."""
+    known_spills = known_spills or {}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-m", module], capture_output=True, text=True, env=env, cwd=_ROOT, timeout=600
+    )
+    assert out.returncode == 0, f"{module} failed:\n{out.stderr[-3000:]}"
+    report = json.loads(out.stdout)
+    assert report, "no launch was compiled"
+    for launch, result in report.items():
+        assert result["compiled"], f"{launch}: {result.get('error')}"
+        assert result["spill_bytes"] <= known_spills.get(launch, 0), f"{launch} spills: {result}"
+        assert result["shared"] <= SMEM_LIMIT, f"{launch} needs too much shared memory: {result}"
