@@ -260,10 +260,7 @@ class SymmBackend:
             dx = x.new_empty(x.shape)
             combine(ws.view("combine"), s.slot_row_S, dx, topk=s.topk, weights_R=None)
         if need_dweights:
-            slot_row = s.slot_row_S
-            picked = ws.view("combine_scalar").index_select(0, slot_row.clamp(min=0))
-            d_weights = torch.where(slot_row >= 0, picked, torch.zeros_like(picked))
-            d_weights = d_weights.view(s.num_tokens, s.topk).to(grad_dispatch_weights_R.dtype)
+            d_weights = s.slot_values_TK(ws.view("combine_scalar")).to(grad_dispatch_weights_R.dtype)
         if need_dw1:
             launch.wait_flags(ws, "pool_ready", COUNTER_POOL)
             dw1 = torch.empty_like(w1)

@@ -57,6 +57,12 @@ class RoutingPlan:
         rows = torch.arange(self.num_rows, device=self.row_slot_R.device, dtype=torch.int32)
         return rows < self.expert_start_G1[-1]
 
+    def slot_values_TK(self, values_R: Tensor) -> Tensor:
+        """``values_R`` read back at each (token, k) slot's row: ``[T, K]``, zero for dropped slots."""
+        slot_row = self.slot_row_S
+        picked = values_R.index_select(0, slot_row.clamp(min=0))
+        return torch.where(slot_row >= 0, picked, torch.zeros_like(picked)).view(self.num_tokens, self.topk)
+
 
 @triton.jit
 def _histogram_kernel(idx_ptr, counts_ptr, S, G, BLOCK_S: tl.constexpr, BINS: tl.constexpr):
