@@ -34,6 +34,17 @@ def swiglu_tile(gate, up):
 
 
 @triton.jit
+def swiglu_backward_tile(gate, up, da, weight):
+    """From fp32 tiles of gate, up, ``da`` and the rows' routing ``weight [rows]``: ``(act, d_gate, d_up)``
+    of ``a = silu(gate) * up`` with the output scaled by the weight (the one formula of the bf16 and
+    MXFP8 backward passes)."""
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    grad = da * weight[:, None]
+    return silu * up, grad * up * sig * (1.0 + gate * (1.0 - sig)), grad * silu
+
+
+@triton.jit
 def _swiglu_forward_kernel(h_ptr, a_ptr, valid_ptr, I, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
     valid = tl.load(valid_ptr)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -74,17 +85,12 @@ def _swiglu_backward_kernel(
         gate = tl.load(h_ptr + rows64 * (2 * I) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(h_ptr + rows64 * (2 * I) + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         da = tl.load(da_ptr + rows64 * I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        silu = gate * sig
-        act = silu * up
+        act, d_gate, d_up = swiglu_backward_tile(gate, up, da, weight)
         dot += tl.sum(da * act, axis=1)
-        grad = da * weight[:, None]
         out_mask = in_range[:, None] & col_ok
         dh_row = dh_ptr + rows64 * (2 * I) + cols[None, :]
-        tl.store(
-            dh_row, (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(dh_ptr.dtype.element_ty), mask=out_mask
-        )
-        tl.store(dh_row + I, (grad * silu).to(dh_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(dh_row, d_gate.to(dh_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(dh_row + I, d_up.to(dh_ptr.dtype.element_ty), mask=out_mask)
         tl.store(
             aw_ptr + rows64 * I + cols[None, :],
             (act * weight[:, None]).to(aw_ptr.dtype.element_ty),

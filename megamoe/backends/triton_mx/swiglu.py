@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megamoe.backends.triton.swiglu import swiglu_backward_tile, swiglu_tile
 from megamoe.backends.triton_mx.mx_math import quantize_along_cols, quantize_along_rows, segment_of_block
 from megamoe.backends.triton_mx.quantize_rows import empty_rows_mx
 from megamoe.quant.mx import BLOCK, MXTensor
@@ -47,7 +48,7 @@ def _swiglu_quant_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     gate = tl.load(h_ptr + rows64 * (2 * I) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + rows64 * (2 * I) + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    elements, codes = quantize_along_cols(gate * tl.sigmoid(gate) * up, BLOCK_I // 32)
+    elements, codes = quantize_along_cols(swiglu_tile(gate, up), BLOCK_I // 32)
     tl.store(data_ptr + rows64 * I + cols[None, :], elements.to(tl.uint8), mask=mask)
     blocks = tl.program_id(1) * (BLOCK_I // 32) + tl.arange(0, BLOCK_I // 32)
     scale_ptrs = scale_ptr + rows64 * stride_scale_r + blocks[None, :].to(tl.int64) * stride_scale_b
@@ -89,15 +90,11 @@ def _swiglu_backward_kernel(
             gate = tl.load(h_ptr + rows64 * (2 * I) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             up = tl.load(h_ptr + rows64 * (2 * I) + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             da = tl.load(da_ptr + rows64 * I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(gate)
-            silu = gate * sig
-            act = silu * up
+            act, d_gate, d_up = swiglu_backward_tile(gate, up, da, weight)
             dot += tl.sum(da * act, axis=1)
-            grad = da * weight[:, None]
             dh_row = dh_ptr + rows64 * (2 * I) + cols[None, :]
-            d_gate = grad * up * sig * (1.0 + gate * (1.0 - sig))
             tl.store(dh_row, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
-            tl.store(dh_row + I, (grad * silu).to(dh_ptr.dtype.element_ty), mask=mask)
+            tl.store(dh_row + I, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
             elements, codes = quantize_along_rows(act * weight[:, None])
             aw_ptrs = aw_data_ptr + cols[:, None].to(tl.int64) * aw_data_x + block * 32 + lanes[None, :]
             tl.store(aw_ptrs, tl.trans(elements).to(tl.uint8), mask=col_ok[:, None] & (lanes < 32)[None, :])
