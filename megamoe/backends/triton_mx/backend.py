@@ -257,11 +257,7 @@ class MXFP8TritonBackend:
                 self._wgrad(p, self._along_r(rows, plan, r.row_token_R), dw1, plan)
         if need_dweights:
             if ex is None:
-                slot_row = r.slot_row_S
-                picked = grad_dispatch_weights_R.index_select(0, slot_row.clamp(min=0))
-                d_weights = torch.where(slot_row >= 0, picked, torch.zeros_like(picked)).view(
-                    r.num_tokens, r.topk
-                )
+                d_weights = r.slot_values_TK(grad_dispatch_weights_R)
             else:
                 d_weights = ex.combine_slot_values(grad_dispatch_weights_R)
         return dx, d_weights, dw1
