@@ -1,4 +1,7 @@
-"""The fused multi-GPU path on 2 GPUs of one node (device machine ``nvidia-h200-x2`` only).
+"""The fused multi-GPU path on 2, 4 or 8 GPUs of one node (device machines ``nvidia-h200-x2`` and up).
+
+Every test runs at each EP size in ``WORLDS`` that the node has GPUs for (EP = 2 on the 2-GPU machine,
+EP = 2 and 4 on the 4-GPU one):
 
 * bf16 accuracy against the float32 reference at EP = 2 with ragged tokens (one rank with none):
   cosine >= 0.999 and SNR >= 35 dB for y, dx, d(topk_weights), dW1, dW2;
@@ -19,12 +22,24 @@ from tests._dist import run_ranks
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
 GRADS = ("y", "dx", "d_topk_weights", "dw1", "dw2")
-H, I, G, K = 1024, 512, 8, 4  # per rank: 8 local experts of 16
+H, I, G, K = 1024, 512, 8, 4  # per rank: 8 local experts of 8 * EP
+WORLDS = [
+    pytest.param(
+        w, marks=pytest.mark.skipif(torch.cuda.device_count() < w, reason=f"needs {w} GPUs"), id=f"ep{w}"
+    )
+    for w in (2, 4, 8)
+]
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
 
 
 def _inputs(T: int, seed: int, *, drop: float = 0.05):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    world = 2
+    world = _world()
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
     scores = torch.rand(T, G * world, device="cuda", generator=g)
     idx = scores.topk(K, dim=1).indices
@@ -36,8 +51,9 @@ def _inputs(T: int, seed: int, *, drop: float = 0.05):
 
 def _weights(seed: int):
     g = torch.Generator(device="cuda").manual_seed(1000 + seed)
-    w1 = (torch.randn(2 * G, 2 * I, H, device="cuda", generator=g) / H**0.5).bfloat16()
-    w2 = (torch.randn(2 * G, H, I, device="cuda", generator=g) / I**0.5).bfloat16()
+    E = G * _world()
+    w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).bfloat16()
     return w1, w2
 
 
@@ -54,10 +70,10 @@ def _local(w, rank):
     return w[rank * G : (rank + 1) * G]
 
 
-def _accuracy_rank(rank: int, world: int, tokens: tuple[int, int]) -> dict:
+def _accuracy_rank(rank: int, world: int, tokens: tuple[int, ...]) -> dict:
     import torch.distributed as dist
 
-    x, idx, tw, dy = _inputs(tokens[rank], seed=rank)
+    x, idx, tw, dy = _inputs(tokens[rank % len(tokens)], seed=rank)
     w1, w2 = _weights(0)
     ours = _step(x, idx, tw, _local(w1, rank), _local(w2, rank), dy, group=dist.group.WORLD)
     ref = _step(
@@ -78,10 +94,13 @@ def _accuracy_rank(rank: int, world: int, tokens: tuple[int, int]) -> dict:
     }
 
 
-@pytest.mark.parametrize("tokens", [(3000, 1100), (2048, 0)], ids=["ragged", "one-rank-no-tokens"])
-def test_bf16_accuracy_at_ep2(tmp_path, tokens) -> None:
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(
+    "tokens", [(3000, 1100, 2500, 700), (2048, 0, 1500, 0)], ids=["ragged", "ranks-with-no-tokens"]
+)
+def test_bf16_accuracy(tmp_path, world, tokens) -> None:
     for rank, report in enumerate(
-        run_ranks(_accuracy_rank, 2, tmp_path, tokens, backend="nccl", timeout=600)
+        run_ranks(_accuracy_rank, world, tmp_path, tokens, backend="nccl", timeout=600)
     ):
         for name, (cos, snr) in report.items():
             assert cos >= 0.999 and snr >= 35, f"rank {rank} {name}: cosine {cos:.5f}, SNR {snr:.1f} dB"
@@ -109,8 +128,9 @@ def _layers_rank(rank: int, world: int, layers: int) -> list[tuple[str, float]]:
     ]
 
 
-def test_twenty_layers_back_to_back_match_the_nccl_transport(tmp_path) -> None:
-    for rank, report in enumerate(run_ranks(_layers_rank, 2, tmp_path, 20, backend="nccl", timeout=600)):
+@pytest.mark.parametrize("world", WORLDS)
+def test_twenty_layers_back_to_back_match_the_nccl_transport(tmp_path, world) -> None:
+    for rank, report in enumerate(run_ranks(_layers_rank, world, tmp_path, 20, backend="nccl", timeout=600)):
         for what, snr in report:
             assert snr >= 40, f"rank {rank} {what}: SNR {snr:.1f} dB against the NCCL transport"
 
@@ -154,15 +174,16 @@ def _graph_rank(rank: int, world: int) -> dict:
     return results
 
 
-def test_cuda_graph_capture_and_replay_of_a_full_step(tmp_path) -> None:
-    for rank, report in enumerate(run_ranks(_graph_rank, 2, tmp_path, backend="nccl", timeout=600)):
+@pytest.mark.parametrize("world", WORLDS)
+def test_cuda_graph_capture_and_replay_of_a_full_step(tmp_path, world) -> None:
+    for rank, report in enumerate(run_ranks(_graph_rank, world, tmp_path, backend="nccl", timeout=600)):
         assert all(report.values()), f"rank {rank}: replay differs from eager: {report}"
 
 
 def _determinism_rank(rank: int, world: int) -> bool:
     import torch.distributed as dist
 
-    x, idx, tw, dy = _inputs(2000 - 500 * rank, seed=rank)
+    x, idx, tw, dy = _inputs(2000 - 500 * (rank % 4), seed=rank)
     w1, w2 = _weights(0)
     runs = [
         _step(x, idx, tw, _local(w1, rank), _local(w2, rank), dy, group=dist.group.WORLD) for _ in range(3)
@@ -170,5 +191,6 @@ def _determinism_rank(rank: int, world: int) -> bool:
     return all(torch.equal(runs[0][n], r[n]) for r in runs[1:] for n in GRADS)
 
 
-def test_same_bits_every_run(tmp_path) -> None:
-    assert all(run_ranks(_determinism_rank, 2, tmp_path, backend="nccl", timeout=600))
+@pytest.mark.parametrize("world", WORLDS)
+def test_same_bits_every_run(tmp_path, world) -> None:
+    assert all(run_ranks(_determinism_rank, world, tmp_path, backend="nccl", timeout=600))
