@@ -11,6 +11,9 @@ fused op of the expert path:
 * ``serial``      NCCL ``all_to_all_single`` of the same rows, then the same GEMM leg, in sequence
   (split sizes computed once outside the timing, which flatters the serial path).
 
+Each op's sample is ``OP_CALLS_PER_SAMPLE`` back-to-back calls, so a lone op's host launch latency
+(stage 1's routing tables and layout are ~80 small launches) is not counted as device time.
+
 ``--mode layer`` times ``fused_mega_moe`` forward + backward against the NCCL all-to-all +
 ``torch._grouped_mm`` pipeline (the split sizes read on the host each step, as megatron's
 all-to-all dispatcher does). Every time is the median of CUDA-event-timed repeats after warm-up,
@@ -34,6 +37,10 @@ _NO_MULTICAST = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
+
+
+OP_CALLS_PER_SAMPLE = 3
+"""back-to-back calls per timed sample of one fused op (its legs and its serial path alike)."""
 
 
 @dataclass(slots=True)
@@ -65,10 +72,15 @@ class LayerResult:
     peak_gib: float
 
 
-def time_collective(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 20) -> float:
-    """Median ms of ``fn`` over ``repeats`` event-timed calls on every rank; the slowest rank's median.
+def time_collective(
+    fn: Callable[[], object], *, warmup: int = 5, repeats: int = 20, calls_per_sample: int = 1
+) -> float:
+    """Median ms of ``fn`` over ``repeats`` event-timed samples on every rank; the slowest rank's median.
 
-    Fixed counts (not ``do_bench``'s adaptive ones) because every rank must make the same calls.
+    A sample is ``calls_per_sample`` back-to-back calls divided by that count: the host enqueues the
+    next call while the GPU runs the current one, as in a training step, so the device time is measured
+    rather than the host's launch latency of a lone op. Fixed counts (not ``do_bench``'s adaptive ones)
+    because every rank must make the same calls.
     """
     for _ in range(warmup):
         fn()
@@ -78,10 +90,11 @@ def time_collective(fn: Callable[[], object], *, warmup: int = 5, repeats: int =
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls_per_sample):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls_per_sample)
     median = torch.tensor([statistics.median(times)], device="cuda")
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return float(median.item())
@@ -282,12 +295,14 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
                 label = stage
             else:
                 label = f"{stage} [{dispatch}]"
-            t_comm, t_gemm = time_collective(comm), time_collective(gemm_leg)
-            t_full, t_serial = time_collective(full), time_collective(serial)
+            t_comm, t_gemm, t_full, t_serial = (
+                time_collective(leg, calls_per_sample=OP_CALLS_PER_SAMPLE)
+                for leg in (comm, gemm_leg, full, serial)
+            )
             results.append(StageResult(name, routing, label, t_comm, t_gemm, t_full, t_serial))
     del os.environ["MEGAMOE_SYMM_DISPATCH"]
     if mode == "grouped_gemm_combine":
-        t_wgrad = time_collective(wgrad)
+        t_wgrad = time_collective(wgrad, calls_per_sample=OP_CALLS_PER_SAMPLE)
         results.append(
             StageResult(name, routing, "bwd wgrad: dW1 + dW2 (local)", 0.0, t_wgrad, t_wgrad, t_wgrad)
         )

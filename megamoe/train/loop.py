@@ -318,6 +318,8 @@ def _one_step(
         decoder_seq_length=cfg.training.seq_length,
         forward_only=False,
     )
+    if run.switch.use_mega_moe:
+        megamoe.check_capacity()  # rows past a rank's expert pool invalidate the step: stop before the update
     _, grad_norm, _ = run.optimizer.step()
     after_optimizer_step(run.switch)
     run.scheduler.step(increment=plan.global_batch_size)

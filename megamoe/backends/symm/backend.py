@@ -90,6 +90,7 @@ class SymmBackend:
             pool_rows=ws.pool_rows,
             block_m=s.block_m,
         )
+        ws.note_received(layout.received_rows_1)
         plan.ws, plan.layout = ws, layout
         plan.recv = RoutingPlan(
             num_tokens=ws.pool_rows,

@@ -1,7 +1,8 @@
 """One symmetric-memory workspace per EP group: token pools, combine slots and the signal words.
 
 Legend: W EP ranks, E experts, G = E / W local experts, K top-k, H hidden, T_max tokens per rank the
-workspace holds, P pool rows = W * T_max * min(K, G) (every row that can be routed to one rank).
+workspace holds, P pool rows = min(W * T_max * min(K, G), ceil(F * T_max * K)): every row that can be
+routed to one rank, capped at F (``MEGAMOE_SYMM_CAPACITY``, default 2) times a balanced rank's share.
 
 Layout of the buffer (identical offsets on every rank, so a peer's address is its base + offset)::
 
@@ -21,12 +22,19 @@ Signals carry the op epoch, a counter every rank bumps once per op on the device
 the same sequence of ops, so epochs agree; waits compare ``>= epoch`` and nothing is ever reset from
 the host (CUDA-graph replay just keeps counting). Every op starts with a barrier, so a peer never
 writes into a pool or combine slot this rank may still read (the cross-layer reuse race of the
-original). The pool holds the worst case, so rows are never dropped: its size is the cost, and
-``MEGAMOE_SYMM_MAX_TOKENS`` bounds it.
+original).
+
+Capacity: P sizes the pool and every per-layer row tensor (``h``, the activation, their gradients), so
+the worst case (``MEGAMOE_SYMM_CAPACITY=max``) costs W times a balanced rank's rows at EP = W. The
+default caps it at twice a balanced share, which equals the worst case at EP = 2. Rows past the cap
+are never computed silently: the layout records the largest row count a rank received, and
+:func:`check_capacity` (called by ``train pretrain`` before every optimizer step, and after every op
+in debug mode) raises :class:`SymmCapacityError` with the numbers before anything is updated.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -35,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megamoe.errors import MegaMoEError
+from megamoe.errors import InvalidConfigError, MegaMoEError
 
 _ALIGN = 256
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
@@ -44,7 +52,7 @@ STATE_EPOCH, STATE_TILE, STATE_DONE, STATE_ERROR = 0, 1, 2, 3
 
 
 class SymmCapacityError(MegaMoEError):
-    """A rank got more tokens than the workspace was sized for."""
+    """A rank got more tokens, or more routed rows, than the workspace was sized for."""
 
 
 class SymmTimeoutError(MegaMoEError):
@@ -77,6 +85,9 @@ class SymmWorkspace:
     state: Tensor
     task_done: Tensor
     """per (peer, expert) task: comm programs done with it in this op (reset by the fused kernel)."""
+    received_max: Tensor
+    """the most routed rows one op brought to this rank since the last :meth:`check_capacity` (device)."""
+    capacity_factor: float
     programs: int | None = None
     """persistent grid of the fused kernel (default: one program per SM)."""
     offsets: dict[str, int] = field(default_factory=dict)
@@ -93,8 +104,34 @@ class SymmWorkspace:
         nbytes = _numel(shape) * dtype.itemsize
         return self.buffer[off : off + nbytes].view(dtype).view(shape)
 
+    def note_received(self, rows_1: Tensor) -> None:
+        """Keep the largest routed-row count of an op on the device (no host sync; read by :meth:`check_capacity`)."""
+        torch.maximum(self.received_max, rows_1.to(self.received_max.dtype), out=self.received_max)
+
+    def check_capacity(self) -> None:
+        """Raise if an op since the last check routed more rows to this rank than the pool holds.
+
+        One host read (a sync): call it where the host waits anyway, e.g. before the optimizer step.
+        Rows past the pool were left out of that op's outputs, so its results must not be used.
+        """
+        received = int(self.received_max.item())
+        self.received_max.zero_()
+        if received <= self.pool_rows:
+            return
+        share = self.max_tokens * self.key.topk
+        raise SymmCapacityError(
+            f"routed rows on EP rank {self.rank}",
+            received,
+            f"the workspace holds {self.pool_rows} rows per rank (MEGAMOE_SYMM_CAPACITY="
+            f"{self.capacity_factor:g} x {self.max_tokens} tokens x top-{self.key.topk}); the rows past it "
+            "were not computed, so this step's outputs and gradients are invalid",
+            f"Set MEGAMOE_SYMM_CAPACITY>={received / share:.2f} (or 'max', the worst case: "
+            f"{self.world} x the balanced share) on every rank, or balance the router",
+        )
+
     def check(self) -> None:
-        """Raise if a wait timed out (debug mode); one host read, so only called in debug mode."""
+        """Raise if a wait timed out or the pool overflowed (debug mode); host reads, so only in debug mode."""
+        self.check_capacity()
         state = self.state.tolist()
         if state[STATE_ERROR]:
             rank, counter, index, seen, expected = state[4:9]
@@ -126,14 +163,17 @@ class BufferLayout:
     world: int
     max_tokens: int
     pool_rows: int
+    capacity_factor: float
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
     offsets: dict[str, int]
     total_bytes: int
 
     @classmethod
-    def build(cls, key: WorkspaceKey, world: int, max_tokens: int) -> BufferLayout:
+    def build(cls, key: WorkspaceKey, world: int, max_tokens: int, capacity_factor: float) -> BufferLayout:
         G = key.num_experts // world
-        pool_rows = world * max_tokens * min(key.topk, G)
+        worst = world * max_tokens * min(key.topk, G)
+        capped = worst if math.isinf(capacity_factor) else math.ceil(capacity_factor * max_tokens * key.topk)
+        pool_rows = max(1, min(worst, capped))
         slots = max_tokens * key.topk
         shapes = {
             "arrive": ((world,), torch.int32),
@@ -152,7 +192,7 @@ class BufferLayout:
         for name, (shape, dtype) in shapes.items():
             offsets[name] = total
             total += -(-_numel(shape) * dtype.itemsize // _ALIGN) * _ALIGN
-        return cls(world, max_tokens, pool_rows, shapes, offsets, total)
+        return cls(world, max_tokens, pool_rows, capacity_factor, shapes, offsets, total)
 
     def workspace(
         self, group, key: WorkspaceKey, rank: int, buffer: Tensor, ptrs_dev: int, keepalive: tuple
@@ -170,9 +210,38 @@ class BufferLayout:
             keepalive=keepalive,
             state=torch.zeros(16, dtype=torch.int32, device=buffer.device),
             task_done=torch.zeros(key.num_experts, dtype=torch.int32, device=buffer.device),
+            received_max=torch.zeros(1, dtype=torch.int32, device=buffer.device),
+            capacity_factor=self.capacity_factor,
             offsets=self.offsets,
             shapes=self.shapes,
         )
+
+
+def capacity_factor() -> float:
+    """``MEGAMOE_SYMM_CAPACITY``: rows a rank's pool holds, in balanced shares (``T_max * K``); default 2,
+    ``max`` for the worst case (every row of every rank routed to one rank)."""
+    raw = os.environ.get("MEGAMOE_SYMM_CAPACITY", "2").strip()
+    if raw == "max":
+        return math.inf
+    try:
+        factor = float(raw)
+    except ValueError:
+        factor = math.nan
+    if not factor > 0:
+        raise InvalidConfigError(
+            "MEGAMOE_SYMM_CAPACITY",
+            raw,
+            "must be a positive number of balanced shares or 'max'",
+            "Use e.g. MEGAMOE_SYMM_CAPACITY=2 (the default) or MEGAMOE_SYMM_CAPACITY=max",
+        )
+    return factor
+
+
+def check_capacity() -> None:
+    """Raise :class:`SymmCapacityError` if any MegaMoE op since the last call routed more rows to this
+    rank than its symmetric workspace holds (see the module docstring). A host sync; no-op without one."""
+    for ws in _WORKSPACES.values():
+        ws.check_capacity()
 
 
 def debug_enabled() -> bool:
@@ -227,7 +296,7 @@ def _allocate(
         bound = torch.tensor([num_tokens], dtype=torch.int64, device=device)
         dist.all_reduce(bound, op=dist.ReduceOp.MAX, group=group)
         max_tokens = int(bound.item())
-    layout = BufferLayout.build(key, world, max(max_tokens, 1))
+    layout = BufferLayout.build(key, world, max(max_tokens, 1), capacity_factor())
     if device.type == "cuda":
         buffer, ptrs_dev, keepalive = _symmetric_cuda(group, layout.total_bytes, device)
     else:

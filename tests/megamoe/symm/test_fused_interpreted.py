@@ -236,3 +236,40 @@ def _comm_only_rank(rank: int, world: int, case: tuple, num_comm: int, dispatch:
 def test_comm_programs_split_each_task_and_the_last_one_signals(tmp_path, num_comm, dispatch) -> None:
     case = _cases([[9, 6]], H=24, I=8, E=6, K=2, drop=0.1)
     assert all(run_ranks(_comm_only_rank, 2, tmp_path, case, num_comm, dispatch, timeout=300))
+
+
+def _overflow_rank(rank: int, world: int, case: tuple) -> str:
+    """Every token of both ranks routes to rank 0's two experts: 32 rows against a pool of 16."""
+    import os
+
+    import torch.distributed as dist
+
+    from megamoe.backends.symm.workspace import SymmCapacityError, check_capacity
+    from tests.megamoe.triton.interpreter_compat import install
+
+    install()
+    os.environ.update(MEGAMOE_EP_TRANSPORT="symm", MEGAMOE_SYMM_CAPACITY="1", MEGAMOE_SYMM_MAX_TOKENS="8")
+    x, _, tw, w1, w2, dy = (t[0][rank] for t in case)
+    idx = torch.tensor([[0, 1]] * x.shape[0])
+    leaves = [
+        t.clone().requires_grad_() for t in (x, tw, w1[rank * 2 : rank * 2 + 2], w2[rank * 2 : rank * 2 + 2])
+    ]
+    y = fused_mega_moe(
+        leaves[0], idx, leaves[1], leaves[2], leaves[3], group=dist.group.WORLD, backend="triton"
+    )
+    torch.autograd.grad(y, leaves, dy)  # the whole step runs on both ranks: no deadlock past the cap
+    try:
+        check_capacity()
+    except SymmCapacityError as err:
+        return str(err)
+    return ""
+
+
+def test_rows_past_the_capacity_are_reported_with_the_numbers(tmp_path) -> None:
+    """Rank 0 gets twice what its pool holds; the step finishes, then the check names rank, rows and fix."""
+    case = _cases([[8, 8]], H=16, I=8, E=4, K=2, drop=0.0)
+    first, second = run_ranks(_overflow_rank, 2, tmp_path, case, timeout=300)
+    assert first.startswith("routed rows on EP rank 0=32")
+    assert "holds 16 rows per rank (MEGAMOE_SYMM_CAPACITY=1 x 8 tokens x top-2)" in first
+    assert "MEGAMOE_SYMM_CAPACITY>=2.00" in first
+    assert second == ""  # rank 1 received nothing

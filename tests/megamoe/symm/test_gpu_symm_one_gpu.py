@@ -107,7 +107,7 @@ def _ranks_on_one_gpu(
     from megamoe.backends.symm import workspace as wsm
 
     key_of = lambda name: wsm.WorkspaceKey(name, topk, num_experts, hidden, torch.bfloat16)  # noqa: E731
-    layout = wsm.BufferLayout.build(key_of(""), world, max_tokens)
+    layout = wsm.BufferLayout.build(key_of(""), world, max_tokens, wsm.capacity_factor())
     buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device="cuda") for _ in range(world)]
     table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
