@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import types
+import weakref
 
 import pytest
 import torch
@@ -112,27 +114,58 @@ def test_data_update_without_generation_advance_serves_stale_weights(cached):
     assert not torch.equal(stale["y"], fresh["y"]) and not torch.equal(stale["dx"], fresh["dx"])
 
 
-def _live_tensors() -> int:
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+def _tensors_held_by(cache) -> list[torch.Tensor]:
+    """Every tensor reachable from ``cache``'s own state (its entries' MX buffers and anything else it
+    keeps), not through callables, classes, modules or weak references: the cache's memory, whatever
+    other tests left alive in the process."""
+    found: dict[int, torch.Tensor] = {}
+    seen, stack = set(), [cache]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found[id(obj)] = obj
+        elif not (callable(obj) or isinstance(obj, (type, types.ModuleType, weakref.ref))):
+            stack.extend(gc.get_referents(obj))
+    return list(found.values())
+
+
+def _memory(tensors) -> tuple[list[tuple[int, int, int]], int]:
+    """``(data_ptr, storage data_ptr, storage bytes)`` of each tensor, sorted, and the bytes of their storages."""
+    layout = sorted(
+        (t.data_ptr(), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors
+    )
+    return layout, sum({storage: nbytes for _, storage, nbytes in layout}.values())
 
 
 def test_cache_memory_flat_and_rewritten_in_place_over_200_steps(cached):
+    """200 optimizer steps re-quantise every form each step into the buffers allocated at step 0: the
+    tensors the cache holds stay the same objects, storages and bytes (only the cache is measured, so
+    tensors other tests leave alive or free in this process don't count), and end up holding the last
+    weights' quantisation."""
     model = _Model(seed=4)
     cache = cached.weight_cache
-    sizes = []
     for step in range(200):
         grads = model.run()
         model.w1.data.add_(grads["dw1"].sign(), alpha=-1e-3)  # bounded steps: finite for 200 steps
         model.w2.data.add_(grads["dw2"].sign(), alpha=-1e-3)
         advance_weight_generation()
+        held = _tensors_held_by(cache)
         if step == 0:
-            entries, nbytes, buffers = len(cache), cache.nbytes, cache.buffers()
-        if step in (9, 199):
-            sizes.append(_live_tensors())
-    assert (len(cache), cache.nbytes, cache.buffers()) == (entries, nbytes, buffers) and entries == 4
-    assert sizes[0] == sizes[1], f"live tensors grew from {sizes[0]} to {sizes[1]}"
+            # kept alive here, so a cache that re-allocated could not get the same addresses back
+            first, (layout, nbytes) = held, _memory(held)
+            entries, cache_nbytes, buffers = len(cache), cache.nbytes, cache.buffers()
+            assert (entries, len(first)) == (4, 8), "w1, w2, their transposes: data and scale each"
+            misses = cache.misses
+            continue
+        assert {id(t) for t in held} == {id(t) for t in first}, f"step {step}: the cache's tensors changed"
+        assert _memory(held) == (layout, nbytes), f"step {step}: the cache's storages moved or grew"
+        assert (len(cache), cache.nbytes, cache.buffers()) == (entries, cache_nbytes, buffers), f"step {step}"
+        assert cache.misses == misses + 4 * step, f"step {step}: every form re-quantised once per step"
     model.run()  # the last refresh, into the same buffers
+    assert _memory(_tensors_held_by(cache)) == (layout, nbytes)
     forms = {(id(w), t): (w.transpose(1, 2) if t else w) for w in (model.w1, model.w2) for t in (False, True)}
     for key, entry in cache._entries.items():
         torch.testing.assert_close(entry.mx.dequantize(), fake_quantize_mx(forms[key]), rtol=0, atol=0)
