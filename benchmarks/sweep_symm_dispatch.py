@@ -1,0 +1,126 @@
+"""Where the forward dispatch + GEMM1 op of the fused multi-GPU path spends its time (issue 7).
+
+    PYTHONPATH=$PWD python3 benchmarks/sweep_symm_dispatch.py --num-processes 2 [--out sweep.json]
+
+``python -m megamoe.bench --mode dispatch_grouped_gemm`` times the whole op; this splits it, at the
+DeepSeek-V3 per-rank shape (T 8192, top-8, 32 local experts per rank, H 7168, I 2048), uniform
+routing, one process per GPU, slowest rank's median of 20 samples of 3 back-to-back calls:
+
+* ``prologue``: the routing sort, the count exchange (barrier) and the layout, no kernel of the op;
+* ``kernel``: the fused comm + GEMM1 launch alone (after an epoch barrier; tables reused), with its
+  knobs swept one at a time from the defaults: ``MEGAMOE_SYMM_COMM_PROGRAMS``,
+  ``MEGAMOE_SYMM_TAIL``, ``MEGAMOE_SYMM_FLAT_WAIT``, and this rank's own rows read from ``x``
+  (``local A``, the default) or copied into the pool like the peers' rows;
+* ``comm only``: the same launch with no GEMM tiles; ``GEMM only``: no push, no wait.
+
+Prints a markdown table and writes JSON. About a minute on 2 x H200, most of it compiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+KNOBS = (
+    ("defaults", {}),
+    ("comm programs 16", {"MEGAMOE_SYMM_COMM_PROGRAMS": "16"}),
+    ("comm programs 24", {"MEGAMOE_SYMM_COMM_PROGRAMS": "24"}),
+    ("comm programs 64", {"MEGAMOE_SYMM_COMM_PROGRAMS": "64"}),
+    ("tail 0 %", {"MEGAMOE_SYMM_TAIL": "0"}),
+    ("tail 10 %", {"MEGAMOE_SYMM_TAIL": "10"}),
+    ("tail 50 %", {"MEGAMOE_SYMM_TAIL": "50"}),
+    ("every tile from the counter", {"MEGAMOE_SYMM_FLAT_WAIT": "0"}),
+)
+
+
+def _legs(world: int) -> list[tuple[str, float]]:
+    from megamoe.backends.symm import launch
+    from megamoe.backends.symm.backend import SymmBackend
+    from megamoe.bench import MODELS
+    from megamoe.bench_ep import _inputs, time_collective
+
+    x, idx, tw, w1, _ = _inputs(MODELS["DeepSeek-V3"], "uniform", world, dist.get_rank())
+    sb = SymmBackend()
+    E = w1.shape[0] * world
+    plan = sb.make_plan(idx, num_experts=E, group=dist.group.WORLD)
+    h = sb.stage1_forward(x, tw, w1, plan)[0]
+    ws, lay = plan.ws, plan.layout
+    pool, origins = ws.view("pool"), (lay.row_src_R, lay.row_pos_R)
+    no_tiles = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def prologue():
+        p = sb.make_plan(idx, num_experts=E, group=dist.group.WORLD)
+        sb._exchange(p, x, tw)
+
+    def kernel(local_a: bool = True, tiles: torch.Tensor | None = None, push: bool = True):
+        launch.begin_op(ws)
+        launch.fused_gemm(
+            ws, op="gemm1", a_RK=pool, b=w1, b_kn=False, tiles_X3=lay.tiles_X3,
+            num_tiles_1=lay.num_tiles_1 if tiles is None else tiles, out_RN=h,
+            push=sb._dispatch(plan, x, tw) if push else None, wait=push and tiles is None,
+            local_rows=origins if local_a and push else None,
+        )  # fmt: skip
+
+    def timed(fn) -> float:
+        return time_collective(fn, calls_per_sample=3)
+
+    out = [
+        ("whole op (bench's T_measured)", timed(lambda: (prologue(), kernel()))),
+        ("prologue: routing sort + count exchange + layout", timed(prologue)),
+        ("kernel, comm only (local A)", timed(lambda: kernel(tiles=no_tiles))),
+        ("kernel, GEMM only", timed(lambda: kernel(push=False))),
+        ("kernel, own rows copied into the pool", timed(lambda: kernel(local_a=False))),
+    ]
+    for label, env in KNOBS:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        out.append((f"kernel, {label}", timed(kernel)))
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+    return out
+
+
+def _worker(rank: int, world: int, port: int, out: str | None) -> None:
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))  # fmt: skip
+    legs = _legs(world)
+    if rank == 0:
+        print(f"{world} x {torch.cuda.get_device_name(0)}, DeepSeek-V3 per-rank shape, uniform routing")
+        print("| leg | ms |\n|---|---|")
+        for label, ms in legs:
+            print(f"| {label} | {ms:.3f} |")
+        if out:
+            with open(out, "w") as f:
+                json.dump({"world": world, "legs": dict(legs)}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-processes", type=int, default=2, help="GPUs of this node, one process each")
+    p.add_argument("--out", default=None, help="JSON file for the results")
+    args = p.parse_args()
+    if torch.cuda.device_count() < args.num_processes:
+        raise SystemExit(
+            f"--num-processes {args.num_processes} needs as many GPUs; found {torch.cuda.device_count()}"
+        )
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_worker, args=(args.num_processes, port, args.out), nprocs=args.num_processes, join=True)
+
+
+if __name__ == "__main__":
+    main()
