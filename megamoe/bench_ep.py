@@ -12,7 +12,8 @@ fused op of the expert path:
   (split sizes computed once outside the timing, which flatters the serial path).
 
 Each op's sample is ``OP_CALLS_PER_SAMPLE`` back-to-back calls, so a lone op's host launch latency
-(stage 1's routing tables and layout are ~80 small launches) is not counted as device time.
+(stage 1 starts with its routing tables, the count exchange and the layout) is not counted as device
+time.
 
 ``--mode layer`` times ``fused_mega_moe`` forward + backward against the NCCL all-to-all +
 ``torch._grouped_mm`` pipeline (the split sizes read on the host each step, as megatron's

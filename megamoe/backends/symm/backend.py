@@ -82,13 +82,13 @@ class SymmBackend:
         if launch.dispatch_mode() == "pull":
             launch.stage_for_pull(ws, x_TH, s.row_token_R, s.row_slot_R, weights_TK)
         launch.begin_op(ws, _counts(s))
-        counts = ws.view("counts").index_select(0, (ws.state[:1] % 2).long()).squeeze(0)
         layout = build_layout(
-            counts,
+            ws.view("counts"),  # both banks; the kernel reads this op's (epoch parity)
             rank=ws.rank,
             num_local_experts=ws.num_local_experts,
             pool_rows=ws.pool_rows,
             block_m=s.block_m,
+            epoch_1=ws.state[:1],
         )
         ws.note_received(layout.received_rows_1)
         plan.ws, plan.layout = ws, layout

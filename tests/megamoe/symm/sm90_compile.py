@@ -15,6 +15,7 @@ import json
 import sys
 
 from megamoe.backends.symm.kernels import _fused_kernel
+from megamoe.backends.symm.layout import _layout_kernel
 from megamoe.backends.triton.configs import gemm_config
 from tests.megamoe.triton.sm90_compile import CUDA, H, I, report
 
@@ -71,6 +72,21 @@ LAUNCHES = {
         none=("row_scale_ptr", "c_ptr"),
     ),
 }  # fmt: skip
+
+
+def _layout(world: int) -> tuple:
+    """layout.build_layout at DeepSeek-V3's per-rank shape (32 local experts) in an EP group of ``world``."""
+    args = dict(
+        counts_ptr="*i32", epoch_ptr="*i32", rank="i32", W=world, E=32 * world, G=32, P="i32",
+        max_tiles="i32", send_dest_row_ptr="*i32", expert_start_ptr="*i32", tiles_ptr="*i32",
+        num_tiles_ptr="*i32", row_src_ptr="*i32", row_pos_ptr="*i32", received_ptr="*i32",
+        seg_start_ptr="*i32", seg_len_ptr="*i32", seg_pos_ptr="*i32", BANKED=True, W_PAD=world, G_PAD=32,
+        BLOCK_R=32, BLOCK_T=32, BLOCK_M=gemm_config("gemm1", CUDA)["BLOCK_M"],
+    )  # fmt: skip
+    return _layout_kernel, args, {"num_warps": 4}
+
+
+LAUNCHES |= {f"stage1 fwd: layout, EP = {w}": _layout(w) for w in (2, 8)}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""The device-side layout of the fused multi-GPU path, from random count matrices (pure torch, CPU).
+"""The device-side layout of the fused multi-GPU path, from random count matrices (the layout kernel
+under ``TRITON_INTERPRET=1`` on the CPU).
 
 Every rank computes its own tables from the same counts; the test checks they agree with each other:
 each source's rows land on the owner of their expert at the rows whose recorded origin is that
 source and send position, expert segments are contiguous, and the tile table covers them exactly.
+And every table equals the direct torch formulas below (the kernel's definition), clamped pools and
+the epoch's count bank included.
 """
 
 from __future__ import annotations
@@ -57,3 +60,71 @@ def test_rows_past_the_pool_are_clamped_and_reported() -> None:
     lay = _layouts(C, 1, pool_rows=6, block_m=4)[0]
     assert int(lay.received_rows_1) == 8
     assert lay.expert_start_G1.tolist() == [0, 6]
+
+
+def _reference(C: torch.Tensor, rank: int, G: int, P: int, block_m: int) -> dict[str, torch.Tensor]:
+    """The layout in plain torch: the definition the kernel must reproduce, every table, every row."""
+    W, E = C.shape
+    C = C.long()
+    total_DG = C.sum(0).view(W, G)
+    send_dest_row_E = (total_DG.cumsum(1) - total_DG).reshape(E) + C[:rank].sum(0)
+    mine_WG = C[:, rank * G : (rank + 1) * G]
+    end_G = mine_WG.sum(0).cumsum(0).clamp(max=P)
+    expert_start_G1 = torch.cat([end_G.new_zeros(1), end_G])
+    seg_len_GW = mine_WG.t()
+    seg_start_GW = expert_start_G1[:-1, None] + seg_len_GW.cumsum(1) - seg_len_GW
+    send_base_GW = (C.cumsum(1) - C)[:, rank * G : (rank + 1) * G].t()
+    rows = torch.arange(P)
+    seg = (torch.searchsorted(seg_start_GW.reshape(-1), rows, right=True) - 1).clamp(min=0)
+    rows_G = expert_start_G1[1:] - expert_start_G1[:-1]
+    tiles_G = (rows_G + block_m - 1) // block_m
+    tile_end_G = tiles_G.cumsum(0)
+    tile = torch.arange(-(-P // block_m) + G)
+    expert = torch.searchsorted(tile_end_G, tile, right=True)
+    used = expert < G
+    e = expert.clamp(max=G - 1)
+    row0 = expert_start_G1[e] + (tile - (tile_end_G[e] - tiles_G[e])) * block_m
+    tiles = torch.stack(
+        [
+            torch.where(used, expert, -1),
+            torch.where(used, row0, 0),
+            torch.where(used, expert_start_G1[e + 1], 0),
+        ],
+        1,
+    )
+    return {
+        "send_dest_row_E": send_dest_row_E,
+        "expert_start_G1": expert_start_G1,
+        "tiles_X3": tiles,
+        "num_tiles_1": tile_end_G[-1:],
+        "row_src_R": seg % W,
+        "row_pos_R": send_base_GW.reshape(-1)[seg] + rows - seg_start_GW.reshape(-1)[seg],
+        "received_rows_1": mine_WG.sum().reshape(1),
+        "seg_start_GW": seg_start_GW.reshape(-1),
+        "seg_len_GW": seg_len_GW.reshape(-1),
+        "seg_pos_GW": send_base_GW.reshape(-1),
+    }
+
+
+@pytest.mark.parametrize(
+    ("W", "G", "slack", "seed"),
+    [(2, 3, 5, 0), (4, 2, 0, 1), (8, 4, 3, 2), (2, 1, 1, 3), (8, 32, 7, 4), (3, 5, -6, 5), (1, 4, 0, 6)],
+    ids=["ep2", "ep4", "ep8", "one-expert", "ep8-32-experts", "ep3-clamped", "one-rank"],
+)
+def test_the_kernel_equals_the_torch_definition(W: int, G: int, slack: int, seed: int) -> None:
+    """Every output, every row and tile (padding included), at every rank; ``slack < 0`` clamps the pool;
+    the counts come from the bank the epoch's parity picks."""
+    g = torch.Generator().manual_seed(seed)
+    E = W * G
+    banks = torch.randint(0, 9, (2, W, E), generator=g).to(torch.int32)
+    banks[1, 0] = 0  # a rank with no tokens
+    if G > 1:
+        banks[1, :, 1] = 0  # an expert nobody routes to
+    C = banks[1]
+    pool_rows = max(1, int(C.sum(0).view(W, G).sum(1).max()) + slack)
+    for rank in range(W):
+        lay = build_layout(
+            banks, rank=rank, num_local_experts=G, pool_rows=pool_rows, block_m=4, epoch_1=torch.tensor([7])
+        )
+        for name, want in _reference(C, rank, G, pool_rows, block_m=4).items():
+            assert getattr(lay, name).tolist() == want.tolist(), f"rank {rank}: {name}"
