@@ -126,6 +126,8 @@ def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...])
     """``len(tokens)`` ranks on one GPU, ``layers`` layers forward then backward, new routing each."""
     from megamoe.backends.symm import workspace as wsm
     from megamoe.backends.symm.backend import SymmBackend
+    from megamoe.backends.symm.layout import build_layout
+    from megamoe.backends.triton.configs import block_m
     from megamoe.ops import MegaMoEHandle, _DispatchGroupedGemm, _GroupedGemmCombine
 
     W, H, I, E, K = len(tokens), 512, 256, 8, 4
@@ -138,6 +140,12 @@ def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...])
     with torch.cuda.stream(warm[0].stream):
         for T in sorted(set(tokens)):  # the same sizes, so that no kernel specialises differently later
             _symm_step(*_inputs(T, H, I, E, K, E, seed=0), warm[0])
+    # the layout kernel specialises on the group's size and local experts: compile the W-rank one too
+    i32 = dict(dtype=torch.int32, device="cuda")
+    build_layout(
+        torch.zeros(2, W, E, **i32), rank=0, num_local_experts=G, pool_rows=1024,
+        block_m=block_m(torch.device("cuda")), epoch_1=torch.zeros(1, **i32),
+    )  # fmt: skip
     torch.cuda.synchronize()
     groups = _ranks_on_one_gpu(W, topk=K, num_experts=E, hidden=H, max_tokens=max(tokens))
     backend = SymmBackend()
