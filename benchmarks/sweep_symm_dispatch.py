@@ -11,7 +11,11 @@ routing, one process per GPU, slowest rank's median of 20 samples of 3 back-to-b
   knobs swept one at a time from the defaults: ``MEGAMOE_SYMM_COMM_PROGRAMS``,
   ``MEGAMOE_SYMM_TAIL``, ``MEGAMOE_SYMM_FLAT_WAIT``, and this rank's own rows read from ``x``
   (``local A``, the default) or copied into the pool like the peers' rows;
-* ``comm only``: the same launch with no GEMM tiles; ``GEMM only``: no push, no wait.
+* ``comm only``: the same launch with no GEMM tiles; ``GEMM only``: no push, no wait;
+
+then the timeline of one kernel on rank 0 (``MEGAMOE_SYMM_TRACE=1``, the GPU's global timer in every
+program): when the comm programs are done, when the GEMM programs run out of fixed-stride tiles, who
+takes the counter tiles, when the last program ends.
 
 Prints a markdown table and writes JSON. About a minute on 2 x H200, most of it compiling.
 """
@@ -89,20 +93,81 @@ def _legs(world: int) -> list[tuple[str, float]]:
     return out
 
 
+def _timeline(world: int) -> list[str]:
+    """Per-program timeline of one fused kernel (``MEGAMOE_SYMM_TRACE=1``), this rank; ms from the first
+    program's start: the spread of each event over the programs."""
+    from megamoe.backends.symm import launch
+    from megamoe.backends.symm.backend import SymmBackend
+    from megamoe.bench import MODELS
+    from megamoe.bench_ep import _inputs
+
+    x, idx, tw, w1, _ = _inputs(MODELS["DeepSeek-V3"], "uniform", world, dist.get_rank())
+    sb = SymmBackend()
+    E, lines = w1.shape[0] * world, []
+    for label, env, push in (
+        ("defaults", {}, True),
+        ("every tile from the counter", {"MEGAMOE_SYMM_FLAT_WAIT": "0"}, True),
+        ("GEMM only", {}, False),
+    ):
+        saved = dict(os.environ)
+        os.environ.update(env, MEGAMOE_SYMM_TRACE="1")
+        for _ in range(4):  # the last call is the one read back
+            plan = sb.make_plan(idx, num_experts=E, group=dist.group.WORLD)
+            h = sb.stage1_forward(x, tw, w1, plan)[0]
+            if not push:
+                lay = plan.layout
+                launch.begin_op(plan.ws)
+                launch.fused_gemm(plan.ws, op="gemm1", a_RK=plan.ws.view("pool"), b=w1, b_kn=False,
+                                  tiles_X3=lay.tiles_X3, num_tiles_1=lay.num_tiles_1, out_RN=h)  # fmt: skip
+            torch.cuda.synchronize()
+            dist.barrier()
+        comm = launch.comm_programs(x.device) if push else 0
+        os.environ.clear()
+        os.environ.update(saved)
+        t = launch.program_timeline(plan.ws).cpu()
+        ms = (t[:, :4] - t[:, 0].min()).double() / 1e6
+
+        def spread(v: torch.Tensor) -> str:
+            v = v.sort().values
+            return f"{v[0]:.3f} / {v[len(v) // 2]:.3f} / {v[-1]:.3f}"
+
+        rows = [("all programs: end", ms[:, 3])]
+        if comm:
+            own = [p for p in range(comm) if p % world == 0]  # the programs serving this rank itself
+            peers = [p for p in range(comm) if p % world]
+            rows += [
+                ("comm programs serving this rank: comm done", ms[own, 1]),
+                ("comm programs serving peers: comm done", ms[peers, 1]),
+                ("comm programs: counter tiles", t[:comm, 4].double()),
+            ]
+        rows += [
+            ("GEMM programs: fixed-stride tiles done", ms[comm:, 2]),
+            ("GEMM programs: counter tiles", t[comm:, 4].double()),
+        ]
+        lines += [f"| {label} | {what} | {spread(v)} |" for what, v in rows]
+    return lines
+
+
 def _worker(rank: int, world: int, port: int, out: str | None) -> None:
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))  # fmt: skip
     legs = _legs(world)
+    timeline = _timeline(world)
     if rank == 0:
         print(f"{world} x {torch.cuda.get_device_name(0)}, DeepSeek-V3 per-rank shape, uniform routing")
         print("| leg | ms |\n|---|---|")
         for label, ms in legs:
             print(f"| {label} | {ms:.3f} |")
+        print(
+            "\nTimeline of one kernel, rank 0 (ms from the first program's start; min / median / max over programs)"
+        )
+        print("| kernel | event | min / median / max |\n|---|---|---|")
+        print("\n".join(timeline))
         if out:
             with open(out, "w") as f:
-                json.dump({"world": world, "legs": dict(legs)}, f, indent=1)
+                json.dump({"world": world, "legs": dict(legs), "timeline": timeline}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 

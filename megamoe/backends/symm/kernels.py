@@ -9,7 +9,8 @@ the op epoch at system scope; waits poll with acquire loads until ``>= epoch``, 
 between ops. A bounded wait (debug mode) records what it waited on and gives up instead of hanging.
 
 Rank-dependent integers and the wait bound are not specialised, so every rank runs the same
-compiled kernels and no setting recompiles them mid-run.
+compiled kernels and no setting recompiles them mid-run. With ``TRACE`` (``MEGAMOE_SYMM_TRACE=1``)
+every program records its timeline (:data:`TRACE_SLOTS`), read by :func:`.launch.program_timeline`.
 
 The fused kernel has two roles in one persistent grid (comm programs get the lowest ids, so they are
 scheduled first and no waiting program can starve them)::
@@ -54,6 +55,9 @@ _POOL = tl.constexpr(COUNTER_POOL)
 MAX_FLAT_WORLD = 8
 """largest EP group whose waits the flattened tile loop unrolls (larger groups claim every tile)"""
 _MAX_FLAT_WORLD = tl.constexpr(MAX_FLAT_WORLD)
+TRACE_SLOTS = 5
+"""per program with ``TRACE``: start, comm role done, fixed-stride tiles done, end (ns), counter tiles"""
+_TRACE_SLOTS = tl.constexpr(TRACE_SLOTS)
 
 
 @triton.jit
@@ -100,6 +104,23 @@ def _wait_flag(ptr, expected, state_ptr, rank, counter_id, index, max_spins, IN_
         _record_timeout(seen, expected, state_ptr, rank, counter_id, index)
     else:
         _spin_until(ptr, expected, state_ptr, rank, counter_id, index, max_spins)
+
+
+@triton.jit
+def _trace(trace_ptr, pid, slot, value):
+    """Timeline record ``slot`` of program ``pid`` (``TRACE_SLOTS`` int64 per program)."""
+    tl.store(trace_ptr + pid * _TRACE_SLOTS + slot, value.to(tl.int64))
+
+
+@triton.jit
+def _now(x, IN_PTX: tl.constexpr):
+    """The GPU's global nanosecond timer (0 in the CPU interpreter, which runs no asm); ``x`` is unused."""
+    if IN_PTX:
+        return tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1
+        )
+    else:
+        return x.to(tl.int64) * 0
 
 
 @triton.jit
@@ -536,8 +557,12 @@ def _fused_kernel(
     GROUP_M: tl.constexpr,
     COPY_ROWS: tl.constexpr,
     COPY_COLS: tl.constexpr,
+    trace_ptr,
+    TRACE: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if TRACE:
+        _trace(trace_ptr, pid, 0, _now(pid, IN_PTX))
     epoch = tl.load(state_ptr)
     bases = ptrs_dev.to(tl.pointer_type(tl.int64))
     if COMM:  # noqa: SIM102 (compile-time branch: the runtime test must not join it)
@@ -595,6 +620,8 @@ def _fused_kernel(
                     COPY_ROWS,
                     COPY_COLS,
                 )
+    if TRACE:
+        _trace(trace_ptr, pid, 1, _now(pid, IN_PTX))
     num_m = tl.load(num_tiles_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
     total = num_m * num_n
@@ -623,9 +650,14 @@ def _fused_kernel(
                 stride_a, stride_c, max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR,
                 SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAT, IN_PTX,
             )  # fmt: skip
+    if TRACE:
+        _trace(trace_ptr, pid, 2, _now(pid, IN_PTX))
+    counter_tiles = 0
     if COMM:
         tile_id = num_static + tl.atomic_add(state_ptr + _TILE, 1)
         while tile_id < total:
+            if TRACE:
+                counter_tiles += 1
             ready_expert = _gemm_tile(
                 tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr,
                 send_token_ptr, a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr,
@@ -634,6 +666,9 @@ def _fused_kernel(
                 SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAT, IN_PTX,
             )  # fmt: skip
             tile_id = num_static + tl.atomic_add(state_ptr + _TILE, 1)
+    if TRACE:
+        _trace(trace_ptr, pid, 3, _now(pid, IN_PTX))
+        _trace(trace_ptr, pid, 4, counter_tiles)
     # the last program out resets the counters for the next launch and, with SIGNAL, tells every
     # rank that all rows it is owed from here have landed
     tl.debug_barrier()

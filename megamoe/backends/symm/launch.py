@@ -10,7 +10,13 @@ import triton
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.backends.symm.kernels import MAX_FLAT_WORLD, _barrier_kernel, _fused_kernel, _wait_kernel
+from megamoe.backends.symm.kernels import (
+    MAX_FLAT_WORLD,
+    TRACE_SLOTS,
+    _barrier_kernel,
+    _fused_kernel,
+    _wait_kernel,
+)
 from megamoe.backends.symm.workspace import SymmWorkspace, debug_enabled
 from megamoe.backends.triton.configs import gemm_config, num_programs
 from megamoe.errors import InvalidConfigError
@@ -249,7 +255,32 @@ def fused_gemm(
         COPY_COLS=512,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        trace_ptr=_trace_buffer(ws, grid),
+        TRACE=tracing(),
     )
+
+
+def tracing() -> bool:
+    """``MEGAMOE_SYMM_TRACE=1``: every fused launch records each program's timeline (a profiling aid:
+    where the comm programs finish, when the GEMM programs run out of fixed-stride tiles, who takes the
+    counter tiles); read the last launch's with :func:`program_timeline`."""
+    return os.environ.get("MEGAMOE_SYMM_TRACE", "0") not in ("", "0")
+
+
+def _trace_buffer(ws: SymmWorkspace, grid: int) -> Tensor | None:
+    if not tracing():
+        return None
+    if ws.trace is None or ws.trace.shape[0] != grid:
+        ws.trace = torch.zeros(grid, TRACE_SLOTS, dtype=torch.int64, device=ws.state.device)
+    return ws.trace
+
+
+def program_timeline(ws: SymmWorkspace) -> Tensor:
+    """The last traced fused launch, one row per program: start, comm role done, fixed-stride tiles
+    done, end (GPU global timer, ns; 0 on the CPU), tiles claimed from the counter."""
+    if ws.trace is None:
+        raise RuntimeError("no traced launch: set MEGAMOE_SYMM_TRACE=1 before the fused kernel runs")
+    return ws.trace.clone()
 
 
 def check(ws: SymmWorkspace) -> None:

@@ -90,6 +90,8 @@ class SymmWorkspace:
     capacity_factor: float
     programs: int | None = None
     """persistent grid of the fused kernel (default: one program per SM)."""
+    trace: Tensor | None = None
+    """with ``MEGAMOE_SYMM_TRACE=1``: the last fused launch's per-program timeline (see ``launch``)."""
     offsets: dict[str, int] = field(default_factory=dict)
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
 

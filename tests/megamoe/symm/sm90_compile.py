@@ -26,7 +26,7 @@ _POINTERS = dict(
     row_src_ptr="*i32", row_pos_ptr="*i32", tiles_ptr="*i32", num_tiles_ptr="*i32", ptrs_dev="i64",
     state_ptr="*i32", pool_ready_ptr="*i32", pool_ptr="*bf16", pool_w_ptr="*fp32", comb_ptr="*bf16",
     comb_scalar_ptr="*fp32", comb_ready_ptr="*i32", stage_x_ptr="*bf16", stage_tok_ptr="*i32",
-    stage_w_ptr="*fp32", task_done_ptr="*i32",
+    stage_w_ptr="*fp32", task_done_ptr="*i32", trace_ptr=None,
 )  # fmt: skip
 _UNSPECIALISED = ("rank", "world", "G", "pool_rows", "stage_rows", "stage_slots", "num_programs")
 _UNSPECIALISED += ("num_comm", "tail_pct", "max_spins")
@@ -34,7 +34,7 @@ _UNSPECIALISED += ("num_comm", "tail_pct", "max_spins")
 _DEFAULTS = dict(
     COMM=True, PULL=False, PUSH_WEIGHT=False, WAIT=True, OUT_REMOTE=False, ROW_SCALE=False,
     PUSH_SCALAR=False, SIGNAL=False, SKIP_MMA=False, LOCAL_A=False, B_KN=False, GROUP_M=8,
-    COPY_ROWS=32, COPY_COLS=512, FLAT=True, IN_PTX=True,
+    COPY_ROWS=32, COPY_COLS=512, FLAT=True, IN_PTX=True, TRACE=False,
 )  # fmt: skip
 
 
@@ -57,6 +57,10 @@ LAUNCHES = {
         "gemm1", N=2 * I, K=H, PULL=True, PUSH_WEIGHT=True, none=("row_scale_ptr", "scalar_ptr")
     ),
     "stage1 fwd: comm only (bench)": _launch("gemm1", N=2 * I, K=H, PUSH_WEIGHT=True, LOCAL_A=True, SKIP_MMA=True),
+    "stage1 fwd: push x + GEMM1, traced (MEGAMOE_SYMM_TRACE=1)": _launch(
+        "gemm1", N=2 * I, K=H, PUSH_WEIGHT=True, LOCAL_A=True, TRACE=True, trace_ptr="*i64",
+        none=("row_scale_ptr", "scalar_ptr"),
+    ),
     "stage1 fwd: push x + GEMM1, counter only": _launch(
         "gemm1", N=2 * I, K=H, PUSH_WEIGHT=True, LOCAL_A=True, FLAT=False, none=("row_scale_ptr", "scalar_ptr")
     ),

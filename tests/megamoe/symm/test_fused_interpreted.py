@@ -273,3 +273,34 @@ def test_rows_past_the_capacity_are_reported_with_the_numbers(tmp_path) -> None:
     assert "holds 16 rows per rank (MEGAMOE_SYMM_CAPACITY=1 x 8 tokens x top-2)" in first
     assert "MEGAMOE_SYMM_CAPACITY>=2.00" in first
     assert second == ""  # rank 1 received nothing
+
+
+def _traced_rank(rank: int, world: int, case: tuple) -> tuple[list[list[int]], int]:
+    """Stage 1 forward with ``MEGAMOE_SYMM_TRACE=1``: the timeline and the tiles past the fixed-stride share."""
+    import os
+
+    import torch.distributed as dist
+
+    from megamoe.backends.symm import launch
+    from megamoe.backends.symm.backend import SymmBackend
+    from megamoe.backends.triton.configs import gemm_config
+    from tests.megamoe.triton.interpreter_compat import install
+
+    install()
+    os.environ.update(MEGAMOE_SYMM_TRACE="1", MEGAMOE_SYMM_FLAT_WAIT="1", MEGAMOE_SYMM_TAIL="25")
+    x, idx, tw, w1, _, _ = (t[0][rank] for t in case)
+    E = w1.shape[0]
+    backend = SymmBackend()
+    plan = backend.make_plan(idx, num_experts=E, group=dist.group.WORLD)
+    h = backend.stage1_forward(x, tw, w1[rank * 2 : rank * 2 + 2], plan)[0]
+    total = int(plan.layout.num_tiles_1) * -(-h.shape[1] // gemm_config("gemm1", x.device)["BLOCK_N"])
+    return launch.program_timeline(plan.ws).tolist(), total - (total - (total * 25 + 99) // 100)
+
+
+def test_the_traced_timeline_accounts_for_every_counter_tile(tmp_path) -> None:
+    """One row per program; the counter tiles taken add up to the launch's tail (timestamps are 0 here)."""
+    case = _cases([[12, 9]], H=16, I=8, E=4, K=2, drop=0.0)
+    for timeline, tail in run_ranks(_traced_rank, 2, tmp_path, case, timeout=300):
+        assert len(timeline) >= 2 and all(len(row) == 5 for row in timeline)
+        assert sum(row[4] for row in timeline) == tail > 0
+        assert all(row[:4] == [0, 0, 0, 0] for row in timeline)  # no GPU timer in the interpreter
