@@ -63,6 +63,14 @@ class Summary:
         )
 
 
+def before_optimizer_step(switch: model.MoESwitch) -> None:
+    """Once per step, before the update: a rank whose fused expert-parallel pool overflowed left rows
+    out of this step's outputs, so :func:`megamoe.check_capacity` raises then, before any weight (or a
+    later checkpoint) takes the wrong gradients. One small host read; a no-op off the GPU path."""
+    if switch.use_mega_moe:
+        megamoe.check_capacity()
+
+
 def after_optimizer_step(switch: model.MoESwitch) -> None:
     """Once per optimizer step: MegaMoE's mxfp8 experts cache their quantised weights per weight
     generation (the optimizer updates weights in place without bumping ``Tensor._version``), so a
@@ -318,8 +326,7 @@ def _one_step(
         decoder_seq_length=cfg.training.seq_length,
         forward_only=False,
     )
-    if run.switch.use_mega_moe:
-        megamoe.check_capacity()  # rows past a rank's expert pool invalidate the step: stop before the update
+    before_optimizer_step(run.switch)
     _, grad_norm, _ = run.optimizer.step()
     after_optimizer_step(run.switch)
     run.scheduler.step(increment=plan.global_batch_size)
