@@ -12,6 +12,8 @@ routing, one process per GPU, slowest rank's median of 20 samples of 3 back-to-b
   ``MEGAMOE_SYMM_TAIL``, ``MEGAMOE_SYMM_FLAT_WAIT``, and this rank's own rows read from ``x``
   (``local A``, the default) or copied into the pool like the peers' rows;
 * ``comm only``: the same launch with no GEMM tiles; ``GEMM only``: no push, no wait;
+* with ``MEGAMOE_SYMM_DISPATCH=broadcast`` set: the broadcast kernel (copy engines move each rank's
+  ``x`` to every peer, GEMM1 gathers rows from the copies) and its copies alone;
 
 then the timeline of one kernel on rank 0 (``MEGAMOE_SYMM_TRACE=1``, the GPU's global timer in every
 program): when the comm programs are done, when the GEMM programs run out of fixed-stride tiles, who
@@ -81,6 +83,23 @@ def _legs(world: int) -> list[tuple[str, float]]:
         ("kernel, GEMM only", timed(lambda: kernel(push=False))),
         ("kernel, own rows copied into the pool", timed(lambda: kernel(local_a=False))),
     ]
+    if ws.shapes["bcast_x"][0][0]:  # MEGAMOE_SYMM_DISPATCH=broadcast: copy engines, no comm role
+        send_weight = tw.reshape(-1).float().index_select(0, plan.send.row_slot_R.long())
+
+        def broadcast(tiles: torch.Tensor | None = None):
+            launch.begin_op(ws)
+            launch.broadcast_rows(ws, x, plan.send.row_token_R, send_weight)
+            launch.fused_gemm(
+                ws, op="gemm1", a_RK=pool, b=w1, b_kn=False, tiles_X3=lay.tiles_X3,
+                num_tiles_1=lay.num_tiles_1 if tiles is None else tiles, out_RN=h, wait=True,
+                local_rows=origins, broadcast=(x, plan.send.row_token_R),
+            )  # fmt: skip
+            launch.join_broadcast(ws)
+
+        out += [
+            ("kernel, broadcast: copy engines | GEMM1 gathering the copies", timed(broadcast)),
+            ("kernel, broadcast copies and flags only", timed(lambda: broadcast(no_tiles))),
+        ]
     for label, env in KNOBS:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -121,7 +140,8 @@ def _timeline(world: int) -> list[str]:
                                   tiles_X3=lay.tiles_X3, num_tiles_1=lay.num_tiles_1, out_RN=h)  # fmt: skip
             torch.cuda.synchronize()
             dist.barrier()
-        comm = launch.comm_programs(x.device) if push else 0
+        has_comm_role = push and launch.dispatch_mode() != "broadcast"
+        comm = launch.comm_programs(x.device) if has_comm_role else 0
         os.environ.clear()
         os.environ.update(saved)
         t = launch.program_timeline(plan.ws).cpu()

@@ -206,6 +206,13 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
 
     def fwd1_comm():
         sb._exchange(plan, x, tw)  # [pull staging,] count exchange with the barrier, layout
+        if launch.dispatch_mode() == "broadcast":  # the copies and flags, tiles that only wait
+            send_weight = tw.reshape(-1).float().index_select(0, s.row_slot_R.long())
+            launch.broadcast_rows(ws, x, s.row_token_R, send_weight)
+            gemm("gemm1", pool, w1, False, num_tiles_1=no_tiles, out_RN=h, wait=True, local_rows=origins,
+                 broadcast=(x, s.row_token_R))  # fmt: skip
+            launch.join_broadcast(ws)
+            return
         push = sb._dispatch(plan, x, tw)
         gemm("gemm1", pool, w1, False, num_tiles_1=no_tiles, out_RN=h, push=push, local_rows=origins)
 
@@ -287,11 +294,16 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     ]
     results = []
     ops = dispatch_ops if mode == "dispatch_grouped_gemm" else combine_ops
-    for dispatch in launch.DISPATCH_MODES:  # every op that moves rows to the experts, both ways
+    # every op that moves rows to the experts, each way; broadcast (stage 1 forward only) when the
+    # workspace was allocated for it (MEGAMOE_SYMM_DISPATCH=broadcast at the start)
+    modes = [m for m in launch.DISPATCH_MODES if m != "broadcast" or ws.shapes["bcast_x"][0][0]]
+    for dispatch in modes:
         os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
         for stage, full, comm, gemm_leg, serial in ops:
+            if dispatch == "broadcast" and not stage.startswith("fwd: dispatch"):
+                continue
             if "dispatch" not in stage:
-                if dispatch == "pull":
+                if dispatch != "push":
                     continue
                 label = stage
             else:

@@ -126,6 +126,19 @@ class SymmBackend:
             launch.stage_for_pull(plan.ws, dispatch.src_TH, dispatch.send_token_S)
         launch.begin_op(plan.ws)
 
+    def _broadcast_weights(self, plan: SymmPlan, send_weight_S: Tensor) -> Tensor:
+        """Each pool row's routing weight in broadcast mode: own rows from this rank's send order, a peer's
+        from the copy it made of its send-order weights (valid once the GEMM's waits saw its flag)."""
+        ws, lay = plan.ws, plan.layout
+        src, pos = lay.row_src_R.long(), lay.row_pos_R.long()
+        slots = ws.max_tokens * ws.key.topk
+        copied = ws.view("bcast_weight")
+        peer = copied.index_select(0, (src * slots + pos).clamp(0, copied.numel() - 1))
+        if not send_weight_S.numel():  # this rank routed nothing: every row is a peer's
+            return peer
+        own = send_weight_S.index_select(0, pos.clamp(0, send_weight_S.numel() - 1))
+        return torch.where(src == ws.rank, own, peer)
+
     def _valid_rows(self, plan: SymmPlan) -> Tensor:
         rows = torch.arange(plan.ws.pool_rows, device=plan.layout.expert_start_G1.device, dtype=torch.int32)
         return rows < plan.layout.expert_start_G1[-1]
@@ -135,8 +148,12 @@ class SymmBackend:
     ) -> tuple[Tensor, Tensor, None]:
         x, weights_TK = x_TH.contiguous(), topk_weights_TK.contiguous()
         self._exchange(plan, x, weights_TK)
-        ws, lay = plan.ws, plan.layout
+        ws, lay, s = plan.ws, plan.layout, plan.send
         h = x.new_empty(ws.pool_rows, w1_G2IH.shape[1])
+        broadcast = launch.dispatch_mode() == "broadcast"
+        if broadcast:
+            send_weight_S = weights_TK.reshape(-1).float().index_select(0, s.row_slot_R.long())
+            launch.broadcast_rows(ws, x, s.row_token_R, send_weight_S)
         launch.fused_gemm(
             ws,
             op="gemm1",
@@ -146,11 +163,17 @@ class SymmBackend:
             tiles_X3=lay.tiles_X3,
             num_tiles_1=lay.num_tiles_1,
             out_RN=h,
-            push=self._dispatch(plan, x, weights_TK),
+            push=None if broadcast else self._dispatch(plan, x, weights_TK),
             wait=True,
             local_rows=(lay.row_src_R, lay.row_pos_R),
+            broadcast=(x, s.row_token_R) if broadcast else None,
         )
-        weights = ws.view("pool_weight").to(topk_weights_TK.dtype)
+        if broadcast:
+            launch.join_broadcast(ws)
+            weights = self._broadcast_weights(plan, send_weight_S)
+        else:
+            weights = ws.view("pool_weight")
+        weights = weights.to(topk_weights_TK.dtype)
         weights = torch.where(self._valid_rows(plan), weights, torch.zeros_like(weights))
         launch.check(ws)
         return h, weights, None  # no activation: stage 2 runs the SwiGLU pass

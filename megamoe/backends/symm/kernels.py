@@ -175,6 +175,27 @@ def _wait_kernel(flags_ptr, n, state_ptr, rank, counter_id, max_spins):
         _spin_until(flags_ptr + i, epoch, state_ptr, rank, counter_id, i, max_spins)
 
 
+@triton.jit(do_not_specialize=["rank", "world", "G"])
+def _signal_ready_kernel(ptrs_dev, state_ptr, pool_ready_ptr, rank, world, G, BLOCK_G: tl.constexpr):
+    """Broadcast mode, after this rank's copies into every peer (stream order): release
+    ``pool_ready[me, *]`` on each peer, so its GEMM tiles may read this rank's rows."""
+    epoch = tl.load(state_ptr)
+    bases = ptrs_dev.to(tl.pointer_type(tl.int64))
+    offs = tl.arange(0, BLOCK_G)
+    for r in range(world):
+        if r != rank:
+            dst = _peer(pool_ready_ptr, bases, rank, r) + rank * G
+            for g0 in range(0, G, BLOCK_G):
+                mask = g0 + offs < G
+                tl.atomic_xchg(
+                    dst + g0 + offs,
+                    tl.full((BLOCK_G,), 0, tl.int32) + epoch,
+                    mask=mask,
+                    sem="release",
+                    scope="sys",
+                )
+
+
 @triton.jit
 def _peer(local_ptr, bases, rank, r):
     """``local_ptr`` moved into rank ``r``'s copy of the workspace.
@@ -401,10 +422,11 @@ def _gemm_tile(
     tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr, send_token_ptr,
     a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr, row_pos_ptr, tiles_ptr,
     state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H, stride_a, stride_c, max_spins,
+    bcast_x_ptr, bcast_tok_ptr, stage_rows, stage_slots,
     WAIT: tl.constexpr, LOCAL_A: tl.constexpr, OUT_REMOTE: tl.constexpr, ROW_SCALE: tl.constexpr,
     PUSH_SCALAR: tl.constexpr, SKIP_MMA: tl.constexpr, B_KN: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLAT: tl.constexpr = False,
-    IN_PTX: tl.constexpr = False,
+    IN_PTX: tl.constexpr = False, BCAST_A: tl.constexpr = False,
 ):  # fmt: skip
     """GEMM role, one tile: [wait for its expert's rows,] ``A[rows] @ B[expert]``, store locally or remotely.
 
@@ -443,10 +465,17 @@ def _gemm_tile(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
     if LOCAL_A:
-        local = mask_m & (tl.load(row_src_ptr + offs_m, mask=mask_m, other=0) == rank)
+        row_src = tl.load(row_src_ptr + offs_m, mask=mask_m, other=0)
+        local = mask_m & (row_src == rank)
         pos = tl.load(row_pos_ptr + offs_m, mask=local, other=0)
         token = tl.load(send_token_ptr + pos, mask=local, other=0).to(tl.int64)
         a_ptrs = tl.where(local[:, None], src_ptr + token[:, None] * H + offs_k[None, :], a_ptrs)
+        if BCAST_A:  # a peer's row: from the copy of its x in this rank's workspace, by its token
+            remote = mask_m & (row_src != rank)
+            rpos = tl.load(row_pos_ptr + offs_m, mask=remote, other=0)
+            rtok = tl.load(bcast_tok_ptr + row_src * stage_slots + rpos, mask=remote, other=0)
+            rrow = row_src.to(tl.int64) * stage_rows + rtok.to(tl.int64)
+            a_ptrs = tl.where(remote[:, None], bcast_x_ptr + rrow[:, None] * H + offs_k[None, :], a_ptrs)
     k_extent = 0 if SKIP_MMA else K
     acc = tile_product(
         a_ptrs, None, r0, mask_m, b_desc, expert, n0, k_extent, False, B_KN, BLOCK_M, BLOCK_N, BLOCK_K
@@ -526,6 +555,8 @@ def _fused_kernel(
     stage_tok_ptr,
     stage_w_ptr,
     task_done_ptr,
+    bcast_x_ptr,
+    bcast_tok_ptr,
     # sizes
     H,
     stage_rows,
@@ -550,6 +581,7 @@ def _fused_kernel(
     SIGNAL: tl.constexpr,
     SKIP_MMA: tl.constexpr,
     LOCAL_A: tl.constexpr,
+    BCAST_A: tl.constexpr,
     B_KN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -647,8 +679,9 @@ def _fused_kernel(
                 tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr,
                 send_token_ptr, a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr,
                 row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
-                stride_a, stride_c, max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR,
-                SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAT, IN_PTX,
+                stride_a, stride_c, max_spins, bcast_x_ptr, bcast_tok_ptr, stage_rows, stage_slots, WAIT,
+                LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR, SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K,
+                GROUP_M, FLAT, IN_PTX, BCAST_A,
             )  # fmt: skip
     if TRACE:
         _trace(trace_ptr, pid, 2, _now(pid, IN_PTX))
@@ -662,8 +695,9 @@ def _fused_kernel(
                 tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr,
                 send_token_ptr, a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr,
                 row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
-                stride_a, stride_c, max_spins, WAIT, LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR,
-                SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAT, IN_PTX,
+                stride_a, stride_c, max_spins, bcast_x_ptr, bcast_tok_ptr, stage_rows, stage_slots, WAIT,
+                LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR, SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K,
+                GROUP_M, FLAT, IN_PTX, BCAST_A,
             )  # fmt: skip
             tile_id = num_static + tl.atomic_add(state_ptr + _TILE, 1)
     if TRACE:

@@ -15,6 +15,7 @@ from megamoe.backends.symm.kernels import (
     TRACE_SLOTS,
     _barrier_kernel,
     _fused_kernel,
+    _signal_ready_kernel,
     _wait_kernel,
 )
 from megamoe.backends.symm.workspace import SymmWorkspace, debug_enabled
@@ -86,12 +87,14 @@ def wait_flags(ws: SymmWorkspace, region: str, counter_id: int) -> None:
     _wait_kernel[(1,)](flags, flags.numel(), ws.state, ws.rank, counter_id, max_spins(), num_warps=1)
 
 
-DISPATCH_MODES = ("push", "pull")
+DISPATCH_MODES = ("push", "pull", "broadcast")
 
 
 def dispatch_mode() -> str:
-    """``MEGAMOE_SYMM_DISPATCH``: ``push`` (default: sources write into the destinations' pools) or ``pull``
-    (sources stage their rows locally, destinations read them)."""
+    """``MEGAMOE_SYMM_DISPATCH``: ``push`` (default: sources write into the destinations' pools), ``pull``
+    (sources stage their rows locally, destinations read them) or ``broadcast`` (stage 1 forward: each
+    source copies its whole ``x`` into every peer's workspace with the copy engines, GEMM1 tiles gather
+    rows from those copies by token; the other ops push)."""
     mode = os.environ.get("MEGAMOE_SYMM_DISPATCH", "push")
     if mode not in DISPATCH_MODES:
         raise InvalidConfigError(
@@ -140,6 +143,55 @@ def stage_for_pull(
         ws.view("stage_weight").index_copy_(0, slots, weights)
 
 
+def broadcast_rows(ws: SymmWorkspace, x_TH: Tensor, send_token_S: Tensor, send_weight_S: Tensor) -> None:
+    """Broadcast mode, after the op's barrier: copy this rank's ``x``, send-order tokens and routing
+    weights into every peer's workspace, then release ``pool_ready[me, *]`` there.
+
+    On CUDA the copies run on a side stream (``copy_`` between device buffers: the copy engines, no
+    SM) while the GEMM runs; :func:`join_broadcast` joins it back after the GEMM's launch.
+    """
+    if not ws.shapes["bcast_x"][0][0]:
+        raise InvalidConfigError(
+            "MEGAMOE_SYMM_DISPATCH",
+            "broadcast",
+            "this EP group's workspace was allocated in another mode, without the broadcast regions",
+            "Set MEGAMOE_SYMM_DISPATCH on every rank before the first MegaMoE op",
+        )
+    T, S, me = x_TH.shape[0], send_token_S.numel(), ws.rank
+    rows = slice(me * ws.max_tokens, me * ws.max_tokens + T)
+    slots = slice(me * ws.max_tokens * ws.key.topk, me * ws.max_tokens * ws.key.topk + S)
+
+    def copies_then_signal() -> None:
+        for d in range(ws.world):
+            if d != me:
+                ws.peer_view(d, "bcast_x")[rows].copy_(x_TH)
+                ws.peer_view(d, "bcast_token")[slots].copy_(send_token_S)
+                ws.peer_view(d, "bcast_weight")[slots].copy_(send_weight_S)
+        G = ws.num_local_experts
+        _signal_ready_kernel[(1,)](
+            ws.ptrs_dev, ws.state, ws.view("pool_ready"), me, ws.world, G,
+            BLOCK_G=min(triton.next_power_of_2(max(G, 1)), 1024), num_warps=1,
+        )  # fmt: skip
+
+    if not x_TH.is_cuda:
+        copies_then_signal()
+        return
+    if ws.side_stream is None:
+        ws.side_stream = torch.cuda.Stream(device=x_TH.device)
+    side = ws.side_stream
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        copies_then_signal()
+    for t in (x_TH, send_token_S, send_weight_S):
+        t.record_stream(side)
+
+
+def join_broadcast(ws: SymmWorkspace) -> None:
+    """The current stream waits for :func:`broadcast_rows`' side stream (CUDA; nothing on the CPU)."""
+    if ws.side_stream is not None:
+        torch.cuda.current_stream().wait_stream(ws.side_stream)
+
+
 @dataclass(frozen=True, slots=True)
 class RemoteOut:
     """Send each output row to its source rank's combine slot (and a per-row scalar with it)."""
@@ -166,6 +218,7 @@ def fused_gemm(
     skip_mma: bool = False,
     num_comm: int | None = None,
     local_rows: tuple[Tensor, Tensor] | None = None,
+    broadcast: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """One launch of the fused kernel: optional row push, grouped GEMM ``A @ B[expert]``, local or remote out.
 
@@ -173,10 +226,13 @@ def fused_gemm(
     ``num_comm`` overrides :func:`comm_programs` (tests of the comm role alone, with no tiles).
     ``local_rows`` (push mode): the pool rows' ``(source rank, send position)``; this rank's own rows are
     then not copied into its pool, GEMM tiles read them from ``push.src_TH`` by token.
+    ``broadcast`` (broadcast mode, with ``local_rows`` and ``wait``): ``(x, send tokens)``; own rows from
+    ``x``, a peer's from its copy in the workspace (:func:`broadcast_rows`), no comm role.
     """
-    if wait and push is None:
-        raise ValueError("wait=True waits for rows a comm role pushes: pass push=")
-    local_a = local_rows is not None and push is not None and not push.pull
+    if wait and push is None and broadcast is None:
+        raise ValueError("wait=True waits for rows a comm role pushes or a broadcast copies: pass push=")
+    local_a = local_rows is not None and ((push is not None and not push.pull) or broadcast is not None)
+    src_TH, send_token_S = broadcast or ((push.src_TH, push.send_token_S) if push else (None, None))
     row_src, row_pos = (remote.row_src_R, remote.row_pos_R) if remote else (local_rows or (None, None))
     cfg = gemm_config(op, a_RK.device)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -187,10 +243,12 @@ def fused_gemm(
         N, K = b.shape[1], b.shape[2]
         b_desc = TensorDescriptor.from_tensor(b, [1, bn, bk])
     grid = ws.programs or num_programs(a_RK.device)
-    H = push.src_TH.shape[1] if push is not None else 0
+    if broadcast is not None and a_RK.is_cuda:
+        grid -= 1  # an SM for the side stream's signal kernel, which the spinning tiles wait for
+    H = src_TH.shape[1] if src_TH is not None else 0
     _fused_kernel[(grid,)](
-        push.src_TH if push else None,
-        push.send_token_S if push else None,
+        src_TH,
+        send_token_S,
         push.send_slot_S if push else None,
         push.weights_TK if push else None,
         push.send_start_E1 if push else None,
@@ -223,6 +281,8 @@ def fused_gemm(
         ws.view("stage_token"),
         ws.view("stage_weight"),
         ws.task_done,
+        ws.view("bcast_x") if broadcast is not None else None,
+        ws.view("bcast_token") if broadcast is not None else None,
         H,
         ws.max_tokens,
         ws.max_tokens * ws.key.topk,
@@ -235,7 +295,8 @@ def fused_gemm(
         tail_percent(),
         max_spins(),
         COMM=push is not None,
-        FLAT=flat_waits() and ws.world <= MAX_FLAT_WORLD,
+        # without a comm role every tile is in the flattened loop, whose waits must be the flat ones
+        FLAT=(flat_waits() or (wait and push is None)) and ws.world <= MAX_FLAT_WORLD,
         IN_PTX=a_RK.is_cuda,
         PULL=push is not None and push.pull,
         PUSH_WEIGHT=push is not None and push.weights_TK is not None,
@@ -246,6 +307,7 @@ def fused_gemm(
         SIGNAL=remote is not None,
         SKIP_MMA=skip_mma,
         LOCAL_A=local_a,
+        BCAST_A=broadcast is not None,
         B_KN=b_kn,
         BLOCK_M=bm,
         BLOCK_N=bn,

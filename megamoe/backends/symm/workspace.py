@@ -92,6 +92,10 @@ class SymmWorkspace:
     """persistent grid of the fused kernel (default: one program per SM)."""
     trace: Tensor | None = None
     """with ``MEGAMOE_SYMM_TRACE=1``: the last fused launch's per-program timeline (see ``launch``)."""
+    peers: list[Tensor] = field(default_factory=list)
+    """every rank's whole buffer as a local uint8 tensor (broadcast mode copies into them)."""
+    side_stream: object | None = None
+    """broadcast mode: the stream its copies run on (CUDA)."""
     offsets: dict[str, int] = field(default_factory=dict)
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
 
@@ -105,6 +109,13 @@ class SymmWorkspace:
         off = self.offsets[name]
         nbytes = _numel(shape) * dtype.itemsize
         return self.buffer[off : off + nbytes].view(dtype).view(shape)
+
+    def peer_view(self, rank: int, name: str) -> Tensor:
+        """Rank ``rank``'s region ``name`` as a typed tensor this rank can copy into."""
+        shape, dtype = self.shapes[name]
+        off = self.offsets[name]
+        nbytes = _numel(shape) * dtype.itemsize
+        return self.peers[rank][off : off + nbytes].view(dtype).view(shape)
 
     def note_received(self, rows_1: Tensor) -> None:
         """Keep the largest routed-row count of an op on the device (no host sync; read by :meth:`check_capacity`)."""
@@ -171,7 +182,9 @@ class BufferLayout:
     total_bytes: int
 
     @classmethod
-    def build(cls, key: WorkspaceKey, world: int, max_tokens: int, capacity_factor: float) -> BufferLayout:
+    def build(
+        cls, key: WorkspaceKey, world: int, max_tokens: int, capacity_factor: float, broadcast: bool = False
+    ) -> BufferLayout:
         G = key.num_experts // world
         worst = world * max_tokens * min(key.topk, G)
         capped = worst if math.isinf(capacity_factor) else math.ceil(capacity_factor * max_tokens * key.topk)
@@ -189,6 +202,10 @@ class BufferLayout:
             "stage_x": ((2 * max_tokens, key.hidden), key.dtype),
             "stage_token": ((2 * slots,), torch.int32),
             "stage_weight": ((2 * slots,), torch.float32),
+            # broadcast mode: every source's x, send-order tokens and weights, copied in by the source
+            "bcast_x": ((world * max_tokens if broadcast else 0, key.hidden), key.dtype),
+            "bcast_token": ((world * slots if broadcast else 0,), torch.int32),
+            "bcast_weight": ((world * slots if broadcast else 0,), torch.float32),
         }
         offsets, total = {}, 0
         for name, (shape, dtype) in shapes.items():
@@ -197,7 +214,14 @@ class BufferLayout:
         return cls(world, max_tokens, pool_rows, capacity_factor, shapes, offsets, total)
 
     def workspace(
-        self, group, key: WorkspaceKey, rank: int, buffer: Tensor, ptrs_dev: int, keepalive: tuple
+        self,
+        group,
+        key: WorkspaceKey,
+        rank: int,
+        buffer: Tensor,
+        ptrs_dev: int,
+        keepalive: tuple,
+        peers: list[Tensor] | None = None,
     ) -> SymmWorkspace:
         """This rank's workspace over ``buffer`` (``total_bytes``, zeroed) whose peers ``ptrs_dev`` lists."""
         return SymmWorkspace(
@@ -216,6 +240,7 @@ class BufferLayout:
             capacity_factor=self.capacity_factor,
             offsets=self.offsets,
             shapes=self.shapes,
+            peers=peers or [],
         )
 
 
@@ -298,15 +323,21 @@ def _allocate(
         bound = torch.tensor([num_tokens], dtype=torch.int64, device=device)
         dist.all_reduce(bound, op=dist.ReduceOp.MAX, group=group)
         max_tokens = int(bound.item())
-    layout = BufferLayout.build(key, world, max(max_tokens, 1), capacity_factor())
+    from megamoe.backends.symm.launch import dispatch_mode
+
+    layout = BufferLayout.build(
+        key, world, max(max_tokens, 1), capacity_factor(), broadcast=dispatch_mode() == "broadcast"
+    )
     if device.type == "cuda":
-        buffer, ptrs_dev, keepalive = _symmetric_cuda(group, layout.total_bytes, device)
+        buffer, ptrs_dev, keepalive, peers = _symmetric_cuda(group, layout.total_bytes, device)
     else:
-        buffer, ptrs_dev, keepalive = _shared_host(group, layout.total_bytes)
-    return layout.workspace(group, key, rank, buffer, ptrs_dev, keepalive)
+        buffer, ptrs_dev, keepalive, peers = _shared_host(group, layout.total_bytes)
+    return layout.workspace(group, key, rank, buffer, ptrs_dev, keepalive, peers)
 
 
-def _symmetric_cuda(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> tuple[Tensor, int, tuple]:
+def _symmetric_cuda(
+    group: dist.ProcessGroup, nbytes: int, device: torch.device
+) -> tuple[Tensor, int, tuple, list[Tensor]]:
     """PyTorch symmetric memory (CUDA backend); peers are unicast loads and stores, multicast never used."""
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -315,10 +346,11 @@ def _symmetric_cuda(group: dist.ProcessGroup, nbytes: int, device: torch.device)
     handle = symm_mem.rendezvous(buffer, group.group_name)
     torch.cuda.synchronize(device)
     dist.barrier(group=group)
-    return buffer, int(handle.buffer_ptrs_dev), (handle,)
+    peers = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(dist.get_world_size(group))]
+    return buffer, int(handle.buffer_ptrs_dev), (handle,), peers
 
 
-def _shared_host(group: dist.ProcessGroup, nbytes: int) -> tuple[Tensor, int, tuple]:
+def _shared_host(group: dist.ProcessGroup, nbytes: int) -> tuple[Tensor, int, tuple, list[Tensor]]:
     """The same layout in host shared memory for CPU ranks, so the kernels run under ``TRITON_INTERPRET=1``.
 
     Each rank creates one file under /dev/shm and maps every rank's file; the files are unlinked as
@@ -337,4 +369,4 @@ def _shared_host(group: dist.ProcessGroup, nbytes: int) -> tuple[Tensor, int, tu
     dist.barrier(group=group)
     os.unlink(paths[rank])
     table = torch.tensor([m.data_ptr() for m in maps], dtype=torch.int64)
-    return mine, table.data_ptr(), (maps, table)
+    return mine, table.data_ptr(), (maps, table), maps

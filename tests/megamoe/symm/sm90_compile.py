@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-from megamoe.backends.symm.kernels import _fused_kernel
+from megamoe.backends.symm.kernels import _fused_kernel, _signal_ready_kernel
 from megamoe.backends.symm.layout import _layout_kernel
 from megamoe.backends.triton.configs import gemm_config
 from tests.megamoe.triton.sm90_compile import CUDA, H, I, report
@@ -26,7 +26,7 @@ _POINTERS = dict(
     row_src_ptr="*i32", row_pos_ptr="*i32", tiles_ptr="*i32", num_tiles_ptr="*i32", ptrs_dev="i64",
     state_ptr="*i32", pool_ready_ptr="*i32", pool_ptr="*bf16", pool_w_ptr="*fp32", comb_ptr="*bf16",
     comb_scalar_ptr="*fp32", comb_ready_ptr="*i32", stage_x_ptr="*bf16", stage_tok_ptr="*i32",
-    stage_w_ptr="*fp32", task_done_ptr="*i32", trace_ptr=None,
+    stage_w_ptr="*fp32", task_done_ptr="*i32", trace_ptr=None, bcast_x_ptr=None, bcast_tok_ptr=None,
 )  # fmt: skip
 _UNSPECIALISED = ("rank", "world", "G", "pool_rows", "stage_rows", "stage_slots", "num_programs")
 _UNSPECIALISED += ("num_comm", "tail_pct", "max_spins")
@@ -34,7 +34,7 @@ _UNSPECIALISED += ("num_comm", "tail_pct", "max_spins")
 _DEFAULTS = dict(
     COMM=True, PULL=False, PUSH_WEIGHT=False, WAIT=True, OUT_REMOTE=False, ROW_SCALE=False,
     PUSH_SCALAR=False, SIGNAL=False, SKIP_MMA=False, LOCAL_A=False, B_KN=False, GROUP_M=8,
-    COPY_ROWS=32, COPY_COLS=512, FLAT=True, IN_PTX=True, TRACE=False,
+    COPY_ROWS=32, COPY_COLS=512, FLAT=True, IN_PTX=True, TRACE=False, BCAST_A=False,
 )  # fmt: skip
 
 
@@ -60,6 +60,10 @@ LAUNCHES = {
     "stage1 fwd: push x + GEMM1, traced (MEGAMOE_SYMM_TRACE=1)": _launch(
         "gemm1", N=2 * I, K=H, PUSH_WEIGHT=True, LOCAL_A=True, TRACE=True, trace_ptr="*i64",
         none=("row_scale_ptr", "scalar_ptr"),
+    ),
+    "stage1 fwd: broadcast x (copy engines) | GEMM1 gathers peers' copies": _launch(
+        "gemm1", N=2 * I, K=H, COMM=False, LOCAL_A=True, BCAST_A=True, bcast_x_ptr="*bf16",
+        bcast_tok_ptr="*i32", none=("row_scale_ptr", "scalar_ptr"),
     ),
     "stage1 fwd: push x + GEMM1, counter only": _launch(
         "gemm1", N=2 * I, K=H, PUSH_WEIGHT=True, LOCAL_A=True, FLAT=False, none=("row_scale_ptr", "scalar_ptr")
@@ -91,6 +95,13 @@ def _layout(world: int) -> tuple:
 
 
 LAUNCHES |= {f"stage1 fwd: layout, EP = {w}": _layout(w) for w in (2, 8)}
+LAUNCHES["stage1 fwd: broadcast flags"] = (
+    _signal_ready_kernel,
+    dict(
+        ptrs_dev="i64", state_ptr="*i32", pool_ready_ptr="*i32", rank="i32", world="i32", G="i32", BLOCK_G=32
+    ),
+    {"num_warps": 1},
+)
 
 
 if __name__ == "__main__":

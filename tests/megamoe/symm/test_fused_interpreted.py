@@ -82,7 +82,7 @@ def _check(results, case, world: int) -> None:
 DISPATCH = pytest.mark.parametrize("dispatch", ["push", "pull"])
 # and push with flattened fixed-stride GEMM programs: no tail, a quarter, every tile from the counter
 LAYER_DISPATCH = pytest.mark.parametrize(
-    "dispatch", ["push", "pull", "push+flat0", "push+flat25", "push+flat100"]
+    "dispatch", ["push", "pull", "broadcast", "push+flat0", "push+flat25", "push+flat100"]
 )
 
 
@@ -104,13 +104,14 @@ def test_back_to_back_layers_reuse_one_workspace(tmp_path, dispatch) -> None:
     _check(run_ranks(_rank, 2, tmp_path, case, 3, dispatch, timeout=600), case, 2)
 
 
+@pytest.mark.parametrize("dispatch", ["push", "broadcast"])
 @pytest.mark.parametrize(
     ("world", "tokens"), [(4, [5, 9, 0, 7]), (8, [3, 5, 0, 4, 6, 2, 5, 3])], ids=["ep4", "ep8"]
 )
-def test_larger_ep_groups(tmp_path, world, tokens) -> None:
+def test_larger_ep_groups(tmp_path, world, tokens, dispatch) -> None:
     """EP = 4 and 8 (the most one node holds): every rank sends to every peer and to itself."""
     case = _cases([tokens], H=16, I=8, E=2 * world, K=3, drop=0.1)
-    _check(run_ranks(_rank, world, tmp_path, case, 1, "push", timeout=600), case, world)
+    _check(run_ranks(_rank, world, tmp_path, case, 1, dispatch, timeout=600), case, world)
 
 
 def _stuck_peer_rank(rank: int, world: int, case: tuple) -> str:

@@ -8,7 +8,9 @@ EP = 2 and 4 on the 4-GPU one):
 * 20 layers back to back, forward then backward, with new routing each, against the NCCL transport
   on the same kernels (a pool or combine slot reused too early would show here);
 * CUDA-graph capture of a full forward + backward, replayed on new inputs and new routing;
-* determinism: the same step twice gives the same bits.
+* determinism: the same step twice gives the same bits;
+
+the first three in push mode and in broadcast mode (``MEGAMOE_SYMM_DISPATCH=broadcast``).
 """
 
 from __future__ import annotations
@@ -70,8 +72,15 @@ def _local(w, rank):
     return w[rank * G : (rank + 1) * G]
 
 
-def _accuracy_rank(rank: int, world: int, tokens: tuple[int, ...]) -> dict:
+DISPATCH = pytest.mark.parametrize("dispatch", ["push", "broadcast"])
+
+
+def _accuracy_rank(rank: int, world: int, tokens: tuple[int, ...], dispatch: str) -> dict:
+    import os
+
     import torch.distributed as dist
+
+    os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
 
     x, idx, tw, dy = _inputs(tokens[rank % len(tokens)], seed=rank)
     w1, w2 = _weights(0)
@@ -98,18 +107,21 @@ def _accuracy_rank(rank: int, world: int, tokens: tuple[int, ...]) -> dict:
 @pytest.mark.parametrize(
     "tokens", [(3000, 1100, 2500, 700), (2048, 0, 1500, 0)], ids=["ragged", "ranks-with-no-tokens"]
 )
-def test_bf16_accuracy(tmp_path, world, tokens) -> None:
+@DISPATCH
+def test_bf16_accuracy(tmp_path, world, tokens, dispatch) -> None:
     for rank, report in enumerate(
-        run_ranks(_accuracy_rank, world, tmp_path, tokens, backend="nccl", timeout=600)
+        run_ranks(_accuracy_rank, world, tmp_path, tokens, dispatch, backend="nccl", timeout=600)
     ):
         for name, (cos, snr) in report.items():
             assert cos >= 0.999 and snr >= 35, f"rank {rank} {name}: cosine {cos:.5f}, SNR {snr:.1f} dB"
 
 
-def _layers_rank(rank: int, world: int, layers: int) -> list[tuple[str, float]]:
+def _layers_rank(rank: int, world: int, layers: int, dispatch: str) -> list[tuple[str, float]]:
     import os
 
     import torch.distributed as dist
+
+    os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
 
     outs = {}
     for transport in ("symm", "nccl"):
@@ -129,14 +141,21 @@ def _layers_rank(rank: int, world: int, layers: int) -> list[tuple[str, float]]:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_twenty_layers_back_to_back_match_the_nccl_transport(tmp_path, world) -> None:
-    for rank, report in enumerate(run_ranks(_layers_rank, world, tmp_path, 20, backend="nccl", timeout=600)):
+@DISPATCH
+def test_twenty_layers_back_to_back_match_the_nccl_transport(tmp_path, world, dispatch) -> None:
+    for rank, report in enumerate(
+        run_ranks(_layers_rank, world, tmp_path, 20, dispatch, backend="nccl", timeout=600)
+    ):
         for what, snr in report:
             assert snr >= 40, f"rank {rank} {what}: SNR {snr:.1f} dB against the NCCL transport"
 
 
-def _graph_rank(rank: int, world: int) -> dict:
+def _graph_rank(rank: int, world: int, dispatch: str) -> dict:
+    import os
+
     import torch.distributed as dist
+
+    os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
 
     from megamoe import fused_mega_moe
 
@@ -175,8 +194,11 @@ def _graph_rank(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_cuda_graph_capture_and_replay_of_a_full_step(tmp_path, world) -> None:
-    for rank, report in enumerate(run_ranks(_graph_rank, world, tmp_path, backend="nccl", timeout=600)):
+@DISPATCH
+def test_cuda_graph_capture_and_replay_of_a_full_step(tmp_path, world, dispatch) -> None:
+    for rank, report in enumerate(
+        run_ranks(_graph_rank, world, tmp_path, dispatch, backend="nccl", timeout=600)
+    ):
         assert all(report.values()), f"rank {rank}: replay differs from eager: {report}"
 
 
