@@ -182,8 +182,9 @@ def broadcast_rows(ws: SymmWorkspace, x_TH: Tensor, send_token_S: Tensor, send_w
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         copies_then_signal()
-    for t in (x_TH, send_token_S, send_weight_S):
-        t.record_stream(side)
+    if not torch.cuda.is_current_stream_capturing():  # a captured graph keeps its memory anyway
+        for t in (x_TH, send_token_S, send_weight_S):
+            t.record_stream(side)
 
 
 def join_broadcast(ws: SymmWorkspace) -> None:
