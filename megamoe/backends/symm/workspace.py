@@ -325,20 +325,20 @@ def _allocate(
         max_tokens = int(bound.item())
     from megamoe.backends.symm.launch import dispatch_mode
 
-    layout = BufferLayout.build(
-        key, world, max(max_tokens, 1), capacity_factor(), broadcast=dispatch_mode() == "broadcast"
-    )
+    broadcast = dispatch_mode() == "broadcast"
+    layout = BufferLayout.build(key, world, max(max_tokens, 1), capacity_factor(), broadcast=broadcast)
     if device.type == "cuda":
-        buffer, ptrs_dev, keepalive, peers = _symmetric_cuda(group, layout.total_bytes, device)
+        buffer, ptrs_dev, keepalive, peers = _symmetric_cuda(group, layout.total_bytes, device, broadcast)
     else:
         buffer, ptrs_dev, keepalive, peers = _shared_host(group, layout.total_bytes)
     return layout.workspace(group, key, rank, buffer, ptrs_dev, keepalive, peers)
 
 
 def _symmetric_cuda(
-    group: dist.ProcessGroup, nbytes: int, device: torch.device
+    group: dist.ProcessGroup, nbytes: int, device: torch.device, with_peers: bool
 ) -> tuple[Tensor, int, tuple, list[Tensor]]:
-    """PyTorch symmetric memory (CUDA backend); peers are unicast loads and stores, multicast never used."""
+    """PyTorch symmetric memory (CUDA backend); peers are unicast loads and stores, multicast never used.
+    ``with_peers``: also every rank's buffer as a local tensor (broadcast mode copies into them)."""
     import torch.distributed._symmetric_memory as symm_mem
 
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
@@ -346,7 +346,8 @@ def _symmetric_cuda(
     handle = symm_mem.rendezvous(buffer, group.group_name)
     torch.cuda.synchronize(device)
     dist.barrier(group=group)
-    peers = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(dist.get_world_size(group))]
+    world = dist.get_world_size(group)
+    peers = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(world)] if with_peers else []
     return buffer, int(handle.buffer_ptrs_dev), (handle,), peers
 
 
