@@ -26,7 +26,9 @@ scheduled first and no waiting program can starve them)::
                              role runs, else at a fixed stride):
                                  [WAIT] acquire pool_ready[s, expert] for every source s
                                  acc = A[rows] @ B[expert]   (A rows by pointer loads; [LOCAL_A]
-                                   this rank's own rows straight from x, never copied to the pool)
+                                   this rank's own rows straight from x, never copied to the pool;
+                                   [BCAST_A] a peer's rows from the copy of its x that broadcast
+                                   mode put in this workspace, by token)
                                  store locally, or [OUT_REMOTE] push each row to its source's combine slot
                              the last program out resets the counters; [SIGNAL] and releases
                              combine_ready[me] on every rank
