@@ -84,7 +84,7 @@ def _legs(world: int) -> list[tuple[str, float]]:
         ("kernel, own rows copied into the pool", timed(lambda: kernel(local_a=False))),
     ]
     if ws.shapes["bcast_x"][0][0]:  # MEGAMOE_SYMM_DISPATCH=broadcast: copy engines, no comm role
-        send_weight = tw.reshape(-1).float().index_select(0, plan.send.row_slot_R.long())
+        send_weight = plan.send.row_values_R(tw).float()
 
         def broadcast(tiles: torch.Tensor | None = None):
             launch.begin_op(ws)

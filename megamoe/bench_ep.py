@@ -207,7 +207,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     def fwd1_comm():
         sb._exchange(plan, x, tw)  # [pull staging,] count exchange with the barrier, layout
         if launch.dispatch_mode() == "broadcast":  # the copies and flags, tiles that only wait
-            send_weight = tw.reshape(-1).float().index_select(0, s.row_slot_R.long())
+            send_weight = s.row_values_R(tw).float()
             launch.broadcast_rows(ws, x, s.row_token_R, send_weight)
             gemm("gemm1", pool, w1, False, num_tiles_1=no_tiles, out_RN=h, wait=True, local_rows=origins,
                  broadcast=(x, s.row_token_R))  # fmt: skip

@@ -80,7 +80,7 @@ class SymmBackend:
             device=x_TH.device,
         )
         if launch.dispatch_mode() == "pull":
-            launch.stage_for_pull(ws, x_TH, s.row_token_R, s.row_slot_R, weights_TK)
+            launch.stage_for_pull(ws, x_TH, s.row_token_R, s.row_values_R(weights_TK).float())
         launch.begin_op(ws, _counts(s))
         layout = build_layout(
             ws.view("counts"),  # both banks; the kernel reads this op's (epoch parity)
@@ -152,7 +152,7 @@ class SymmBackend:
         h = x.new_empty(ws.pool_rows, w1_G2IH.shape[1])
         broadcast = launch.dispatch_mode() == "broadcast"
         if broadcast:
-            send_weight_S = weights_TK.reshape(-1).float().index_select(0, s.row_slot_R.long())
+            send_weight_S = s.row_values_R(weights_TK).float()
             launch.broadcast_rows(ws, x, s.row_token_R, send_weight_S)
         launch.fused_gemm(
             ws,

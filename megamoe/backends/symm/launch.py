@@ -127,20 +127,19 @@ def stage_for_pull(
     ws: SymmWorkspace,
     src_TH: Tensor,
     send_token_S: Tensor,
-    send_slot_S: Tensor | None = None,
-    weights_TK: Tensor | None = None,
+    send_weight_S: Tensor | None = None,
 ) -> None:
-    """Pull mode, before the op's barrier: copy the rows, their tokens and weights into the staging bank
-    of the coming epoch (two banks, so peers may still read the previous op's while this one is written)."""
+    """Pull mode, before the op's barrier: copy the rows, their tokens and (float32, in send order) routing
+    weights into the staging bank of the coming epoch (two banks, so peers may still read the previous
+    op's while this one is written)."""
     T, S = src_TH.shape[0], send_token_S.numel()
     bank = (ws.state[:1].long() + 1) % 2
     rows = bank * ws.max_tokens + torch.arange(T, device=bank.device)
     ws.view("stage_x").index_copy_(0, rows, src_TH)
     slots = bank * ws.max_tokens * ws.key.topk + torch.arange(S, device=bank.device)
     ws.view("stage_token").index_copy_(0, slots, send_token_S)
-    if weights_TK is not None:
-        weights = weights_TK.reshape(-1).index_select(0, send_slot_S.long()).float()
-        ws.view("stage_weight").index_copy_(0, slots, weights)
+    if send_weight_S is not None:
+        ws.view("stage_weight").index_copy_(0, slots, send_weight_S)
 
 
 def broadcast_rows(ws: SymmWorkspace, x_TH: Tensor, send_token_S: Tensor, send_weight_S: Tensor) -> None:

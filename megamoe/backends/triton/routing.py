@@ -57,6 +57,11 @@ class RoutingPlan:
         rows = torch.arange(self.num_rows, device=self.row_slot_R.device, dtype=torch.int32)
         return rows < self.expert_start_G1[-1]
 
+    def row_values_R(self, values_TK: Tensor) -> Tensor:
+        """``values_TK`` of each row's (token, k) slot, in row order: ``[T * K]`` (the inverse of
+        :meth:`slot_values_TK`; dropped slots' rows, past ``expert_start_G1[-1]``, keep their values)."""
+        return values_TK.reshape(-1).index_select(0, self.row_slot_R)
+
     def slot_values_TK(self, values_R: Tensor) -> Tensor:
         """``values_R`` read back at each (token, k) slot's row: ``[T, K]``, zero for dropped slots."""
         slot_row = self.slot_row_S

@@ -149,7 +149,7 @@ class MXFP8TritonBackend:
         r = plan.routing
         if plan.exchange is None:
             rows = x_TH.contiguous()
-            weights_R = topk_weights_TK.reshape(-1).index_select(0, r.row_slot_R)
+            weights_R = r.row_values_R(topk_weights_TK)
             weights_R = torch.where(r.row_is_valid_R(), weights_R, torch.zeros_like(weights_R))
         else:
             rows = plan.exchange.dispatch_tokens(x_TH.contiguous())
