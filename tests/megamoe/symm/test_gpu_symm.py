@@ -20,6 +20,7 @@ import torch
 
 from megamoe.quant.accuracy import cosine, snr_db
 from tests._dist import run_ranks
+from tests.megamoe.cuda_graphs import capture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -170,15 +171,7 @@ def _graph_rank(rank: int, world: int, dispatch: str) -> dict:
         y = fused_mega_moe(x_s, idx_s, tw_s, w1, w2, group=group, backend="triton")
         return (y, *torch.autograd.grad(y, (x_s, tw_s, w1, w2), dy_s))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture(step, warmup=3)
     results = {}
     for trial in range(3):
         fresh = _inputs(1024 + 256 * rank, seed=50 + 10 * trial + rank)

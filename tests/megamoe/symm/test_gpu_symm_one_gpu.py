@@ -20,6 +20,7 @@ import torch
 
 from megamoe.quant.accuracy import cosine, snr_db
 from tests._dist import run_ranks
+from tests.megamoe.cuda_graphs import capture
 
 pytestmark = pytest.mark.gpu
 
@@ -73,15 +74,7 @@ def _one_rank(rank: int, world: int) -> None:
     ours = _symm_step(*case, dist.group.WORLD)
     _check(ours, _reference(*case), "one rank")
     static = [t.clone() for t in case]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            _symm_step(*static, dist.group.WORLD)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = _symm_step(*static, dist.group.WORLD)
+    graph, captured = capture(lambda: _symm_step(*static, dist.group.WORLD), warmup=2)
     for seed in (1, 2):
         fresh = _inputs(3000, 1024, 512, 16, 4, 16, seed=seed)
         for dst, src in zip(static, fresh, strict=True):

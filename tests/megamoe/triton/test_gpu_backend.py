@@ -11,6 +11,7 @@ import torch
 
 from megamoe import fused_mega_moe
 from megamoe.bench import MODELS, ModelShape, make_routing
+from tests.megamoe.cuda_graphs import capture
 
 pytestmark = pytest.mark.gpu
 
@@ -111,15 +112,7 @@ def test_triton_cuda_graph_capture_and_replay() -> None:
         y = fused_mega_moe(sx, sidx, stw, sw1, sw2, backend="triton")
         return (y, *torch.autograd.grad(y, [sx, stw, sw1, sw2], sdy))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture(step, warmup=2)
     for seed in (1, 2):
         fresh = _inputs(SMALL, "uniform", drop=0.2, seed=seed)
         with torch.no_grad():

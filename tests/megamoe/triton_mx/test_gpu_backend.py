@@ -25,6 +25,7 @@ from megamoe.backends.triton_mx.weights import weight_cache
 from megamoe.bench import MODELS, ModelShape, make_routing
 from megamoe.quant.accuracy import cosine, snr_db
 from megamoe.quant.mx import quantize_mx
+from tests.megamoe.cuda_graphs import capture
 
 pytestmark = pytest.mark.gpu
 
@@ -131,15 +132,7 @@ def test_triton_mxfp8_cuda_graph_capture_and_replay_equal_eager() -> None:
         y = fused_mega_moe(sx, sidx, stw, sw1, sw2, backend="triton", precision="mxfp8")
         return (y, *torch.autograd.grad(y, [sx, stw, sw1, sw2], sdy))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture(step, warmup=2)
     for seed in (1, 2):  # new tokens, routing and weights: the replay re-quantises the weights too
         fresh = _inputs(SMALL, "uniform", drop=0.2, seed=seed)
         with torch.no_grad():
