@@ -58,9 +58,10 @@ class RoutingPlan:
         return rows < self.expert_start_G1[-1]
 
     def row_values_R(self, values_TK: Tensor) -> Tensor:
-        """``values_TK`` of each row's (token, k) slot, in row order: ``[T * K]`` (the inverse of
-        :meth:`slot_values_TK`; dropped slots' rows, past ``expert_start_G1[-1]``, keep their values)."""
-        return values_TK.reshape(-1).index_select(0, self.row_slot_R)
+        """``values_TK`` of each row's (token, k) slot, in row order: ``[T * K]``, zero for the rows of
+        dropped slots (past ``expert_start_G1[-1]``); the inverse of :meth:`slot_values_TK`."""
+        picked = values_TK.reshape(-1).index_select(0, self.row_slot_R)
+        return torch.where(self.row_is_valid_R(), picked, torch.zeros_like(picked))
 
     def slot_values_TK(self, values_R: Tensor) -> Tensor:
         """``values_R`` read back at each (token, k) slot's row: ``[T, K]``, zero for dropped slots."""

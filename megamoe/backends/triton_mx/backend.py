@@ -150,7 +150,6 @@ class MXFP8TritonBackend:
         if plan.exchange is None:
             rows = x_TH.contiguous()
             weights_R = r.row_values_R(topk_weights_TK)
-            weights_R = torch.where(r.row_is_valid_R(), weights_R, torch.zeros_like(weights_R))
         else:
             rows = plan.exchange.dispatch_tokens(x_TH.contiguous())
             weights_R = plan.exchange.dispatch_slot_values(topk_weights_TK)
