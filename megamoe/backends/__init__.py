@@ -25,19 +25,23 @@ BACKEND_NAMES = ("auto", "reference", "triton", "primus_turbo")
 PRECISIONS = ("bf16", "mxfp8")
 
 
+def _require_triton() -> None:
+    if importlib.util.find_spec("triton") is None:
+        raise UnsupportedSettingError(
+            "backend",
+            "triton",
+            "triton is not installed",
+            "pip install 'megamoe[cuda]' or use backend='reference'",
+        )
+
+
 def _load_mxfp8(name: str) -> ExpertBackend:
     if name == "reference":
         from megamoe.backends.mxfp8_reference import MXFP8ReferenceBackend
 
         return MXFP8ReferenceBackend()
     if name == "triton":
-        if importlib.util.find_spec("triton") is None:
-            raise UnsupportedSettingError(
-                "backend",
-                name,
-                "triton is not installed",
-                "pip install 'megamoe[cuda]' or use backend='reference'",
-            )
+        _require_triton()
         from megamoe.backends.triton_mx.backend import MXFP8TritonBackend
 
         return MXFP8TritonBackend()
@@ -57,13 +61,7 @@ def _load(name: str, precision: str) -> ExpertBackend:
     if name == "reference":
         return ReferenceBackend()
     if name == "triton":
-        if importlib.util.find_spec("triton") is None:
-            raise UnsupportedSettingError(
-                "backend",
-                name,
-                "triton is not installed",
-                "pip install 'megamoe[cuda]' or use backend='reference'",
-            )
+        _require_triton()
         from megamoe.backends.triton.backend import TritonBackend
 
         return TritonBackend()
