@@ -73,39 +73,49 @@ def _spin_until(ptr, expected, state_ptr, rank, counter_id, index, max_spins):
     _record_timeout(seen, expected, state_ptr, rank, counter_id, index)
 
 
-# ``$0 = *$1`` re-read with acquire semantics at system scope until ``>= $2`` or ``$3`` polls; the loop
-# is inside the asm block, so a Triton loop around it stays one loop (and may be flattened)
+# If ``$4`` (need) is set: ``$0 = *$1`` re-read with acquire semantics at system scope until ``>= $2`` or
+# ``$3`` polls. Else no load at all and ``$0 = $2`` (a satisfied wait): a system-scope acquire is not
+# free, and most tiles await nothing (their expert's flags were polled for an earlier tile). The loop
+# is inside the asm block, so a Triton loop around it stays one loop (and may be flattened); ``$0`` is
+# written last, so it may share a register with an input.
 _POLL_PTX = tl.constexpr("""{
 .reg .pred poll_p;
 .reg .pred poll_q;
 .reg .s32 poll_n;
+.reg .s32 poll_v;
+mov.s32 poll_v, $2;
+setp.eq.s32 poll_p, $4, 0;
+@poll_p bra POLL_DONE;
 mov.s32 poll_n, 0;
 POLL_AGAIN:
-ld.acquire.sys.global.b32 $0, [$1];
-setp.lt.s32 poll_p, $0, $2;
+ld.acquire.sys.global.b32 poll_v, [$1];
+setp.lt.s32 poll_p, poll_v, $2;
 setp.lt.s32 poll_q, poll_n, $3;
 and.pred poll_p, poll_p, poll_q;
 add.s32 poll_n, poll_n, 1;
 @poll_p bra POLL_AGAIN;
+POLL_DONE:
+mov.s32 $0, poll_v;
 }""")
 
 
 @triton.jit
-def _wait_flag(ptr, expected, state_ptr, rank, counter_id, index, max_spins, IN_PTX: tl.constexpr):
-    """:func:`_spin_until`, with the poll loop in inline PTX when ``IN_PTX`` (GPUs; the CPU interpreter
-    runs no asm)."""
+def _wait_flag(ptr, expected, need, state_ptr, rank, counter_id, index, max_spins, IN_PTX: tl.constexpr):
+    """:func:`_spin_until` if ``need``, without a branch (so a flattened tile loop may hold it): the poll
+    loop is inline PTX when ``IN_PTX`` (GPUs); the CPU interpreter, which runs no asm, polls a wait
+    that is not needed against an epoch that is always reached."""
     if IN_PTX:
         seen = tl.inline_asm_elementwise(
             _POLL_PTX,
-            "=r,l,r,r",
-            [ptr.to(tl.int64), expected, max_spins],
+            "=r,l,r,r,r",
+            [ptr.to(tl.int64), expected, max_spins, need.to(tl.int32)],
             dtype=tl.int32,
             is_pure=False,
             pack=1,
         )
         _record_timeout(seen, expected, state_ptr, rank, counter_id, index)
     else:
-        _spin_until(ptr, expected, state_ptr, rank, counter_id, index, max_spins)
+        _spin_until(ptr, tl.where(need, expected, -2147483647), state_ptr, rank, counter_id, index, max_spins)
 
 
 @triton.jit
@@ -434,26 +444,30 @@ def _gemm_tile(
 
     Returns the expert whose rows are known to have landed (consecutive tiles mostly share one, so
     its flags are polled once for them). ``LOCAL_A``: rows from this rank are read from ``src`` by
-    token (the comm role did not copy them into the pool). ``FLAT``: waits without branches or Triton
+    token (the comm role did not copy them into the pool), and a tile of only those waits for nothing. ``FLAT``: waits without branches or Triton
     loops, for a flattened tile loop (``IN_PTX``: the poll loop in inline PTX).
     """
     pid_m, pid_n = _swizzle(tile_id, num_m, num_n, GROUP_M)
     expert = tl.load(tiles_ptr + 3 * pid_m)
     r0 = tl.load(tiles_ptr + 3 * pid_m + 1)
     r_end = tl.load(tiles_ptr + 3 * pid_m + 2)
+    # a tile of only my own rows (read from x, they lead the expert, so its last row says) awaits nothing
+    own_only = False
+    if LOCAL_A:
+        own_only = tl.load(row_src_ptr + tl.minimum(r0 + BLOCK_M, r_end) - 1) == rank
     if WAIT and FLAT:
-        # no branch and no Triton loop (so the tile loop can be flattened): every source up to
-        # MAX_FLAT_WORLD is polled, the ones not needed against an epoch that is always reached
+        # no branch and no Triton loop (so the tile loop can be flattened): one wait per source up to
+        # MAX_FLAT_WORLD, each a no-op unless needed
         for s in tl.static_range(_MAX_FLAT_WORLD):
-            need = (s < world) & (expert != ready_expert) & ((s != rank) | (LOCAL_A == 0))
+            need = (s < world) & (expert != ready_expert) & ~own_only & ((s != rank) | (LOCAL_A == 0))
             src = tl.minimum(s, world - 1)
             _wait_flag(
-                pool_ready_ptr + src * G + expert, tl.where(need, epoch, -2147483647), state_ptr, rank,
-                _POOL, src * G + expert, max_spins, IN_PTX,
+                pool_ready_ptr + src * G + expert, epoch, need, state_ptr, rank, _POOL, src * G + expert,
+                max_spins, IN_PTX,
             )  # fmt: skip
-        ready_expert = expert
+        ready_expert = tl.where(own_only, ready_expert, expert)
     elif WAIT:  # noqa: SIM102 (compile-time branch)
-        if expert != ready_expert:
+        if (expert != ready_expert) & ~own_only:
             for s in range(world):
                 if (s != rank) | (LOCAL_A == 0):
                     _spin_until(

@@ -3,15 +3,21 @@
 Legend: W EP ranks, E experts, G = E / W local experts, ``me`` this rank, C ``[W, E]`` the counts
 (``C[s, e]`` rows that rank s routes to expert e), P pool rows, X tile-table capacity.
 
-Each destination's pool is expert-major, and inside an expert source-rank-major, and inside a
-source in the source's send order (slots sorted by expert, stable)::
+Each destination's pool is expert-major; inside an expert, source-rank-major starting from the
+destination itself (d, d+1, ..., d-1: rot_d(s) = (s - d) mod W); inside a source, in the source's
+send order (slots sorted by expert, stable)::
 
-    pool row of (source s, expert e = d*G + g, j-th row)  =  start_d[g] + sum_{s' < s} C[s', e] + j
+    pool row of (source s, expert e = d*G + g, j-th row)  =  start_d[g] + sum_{rot_d(s') < rot_d(s)} C[s', e] + j
     start_d[g] = sum_{g' < g} sum_s C[s, d*G + g']
 
 so every rank derives every address from C alone: the source where to push its rows
 (``send_dest_row_E``), the destination its per-expert offsets and GEMM tile table, and for each pool
 row the source rank and the source's send position, which is where the expert output goes back.
+
+The tile table lists the *local* tiles first (every BLOCK_M-row tile that holds only this rank's own
+rows, which lead each expert), expert by expert, then the rest, expert by expert. The fused kernels
+read a rank's own rows straight from ``x``, so a local tile waits for no peer: the first 1/W of the
+GEMM runs while the peers' rows are still on the wire.
 The order is deterministic, like :class:`~megamoe.backends.exchange.TokenExchange`'s.
 """
 
@@ -113,22 +119,28 @@ def _layout_kernel(
     s3, d3, g3 = s[:, None, None], s[None, :, None], g[None, None, :]
     C3 = tl.load(counts_ptr + s3 * E + d3 * G + g3, mask=(s3 < W) & (d3 < W) & (g3 < G), other=0)
     # source side: my first row of expert (d, g) lands after every row of d's experts before g and
-    # after the rows of (d, g) from the ranks before me
+    # after the rows of (d, g) from the ranks before me in d's order (d first)
     total_DG = tl.sum(C3, axis=0)
-    dest_DG = tl.cumsum(total_DG, axis=1) - total_DG + tl.sum(tl.where(s3 < rank, C3, 0), axis=0)
-    # receive side, [source, local expert]
+    before_on_d = ((s3 - d3 + W) % W) < ((rank - d3 + W) % W)
+    dest_DG = tl.cumsum(total_DG, axis=1) - total_DG + tl.sum(tl.where(before_on_d, C3, 0), axis=0)
+    # receive side, [source, local expert]; rot: a source's place in my pool order (me first)
     s2, g2 = s[:, None], g[None, :]
     valid = (s2 < W) & (g2 < G)
     mine = tl.load(counts_ptr + s2 * E + rank * G + g2, mask=valid, other=0)
+    rot = (s - rank + W) % W
     total_G = tl.sum(mine, axis=0)
     incl_G = tl.cumsum(total_G, axis=0)
     end_G = tl.minimum(incl_G, P)
     start_G = tl.minimum(incl_G - total_G, P)
-    seg_start = start_G[None, :] + tl.cumsum(mine, axis=0) - mine
+    ahead = rot[None, :, None] < rot[:, None, None]  # [s, s', 1]: s' precedes s in my pool
+    seg_start = start_G[None, :] + tl.sum(tl.where(ahead, mine[None, :, :], 0), axis=1)
     before_me = tl.sum(tl.sum(tl.where(d3 < rank, C3, 0), axis=2), axis=1)  # C[s, :rank * G].sum()
     seg_pos = before_me[:, None] + tl.cumsum(mine, axis=1) - mine
     tiles_G = tl.where(g < G, (end_G - start_G + BLOCK_M - 1) // BLOCK_M, 0)
-    tile_end_G = tl.cumsum(tiles_G, axis=0)
+    # local tiles (only my rows, which lead the expert): all of the expert's when its rows end mine
+    local_end_G = tl.minimum(start_G + tl.sum(tl.where(s2 == rank, mine, 0), axis=0), end_G)
+    local_G = tl.where(local_end_G == end_G, tiles_G, (local_end_G - start_G) // BLOCK_M)
+    rest_G = tiles_G - local_G
     if pid == 0:
         tl.store(send_dest_row_ptr + s2 * G + g2, dest_DG, mask=valid)
         tl.store(expert_start_ptr + g + 1, end_G, mask=g < G)
@@ -138,29 +150,37 @@ def _layout_kernel(
         tl.store(seg_pos_ptr + g2 * W + s2, seg_pos, mask=valid)
         tl.store(received_ptr, tl.sum(total_G, axis=0))
         tl.store(num_tiles_ptr, tl.sum(tiles_G, axis=0))
-    # pool rows: the segment (g, s) of row r is the last one, in pool order (g-major), starting at or
-    # before r (row 0's when none does)
-    flat = g2 * W + s2
-    seg_start3, flat3, valid3 = seg_start[None, :, :], flat[None, :, :], valid[None, :, :]
+    # pool rows: the segment (g, s) of row r is the last one, in pool order (g-major, then rot), starting
+    # at or before r (row 0's when none does)
+    order = g2 * W + rot[:, None]
+    seg_start3, order3, valid3 = seg_start[None, :, :], order[None, :, :], valid[None, :, :]
     shift3 = (seg_pos - seg_start)[None, :, :]
     num_programs = tl.num_programs(0)
     for r0 in range(pid * BLOCK_R, P, num_programs * BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         r3 = r[:, None, None]
-        best = tl.max(tl.max(tl.where(valid3 & (seg_start3 <= r3), flat3, 0), axis=2), axis=1)
-        pick = valid3 & (flat3 == best[:, None, None])
+        best = tl.max(tl.max(tl.where(valid3 & (seg_start3 <= r3), order3, 0), axis=2), axis=1)
+        pick = valid3 & (order3 == best[:, None, None])
         pos = r + tl.sum(tl.sum(tl.where(pick, shift3, 0), axis=2), axis=1)
-        tl.store(row_src_ptr + r, best % W, mask=r < P)
+        tl.store(row_src_ptr + r, (best % W + rank) % W, mask=r < P)
         tl.store(row_pos_ptr + r, pos, mask=r < P)
-    # tiles: the expert of tile t is the number of experts whose tiles end at or before t
-    first_G = tile_end_G - tiles_G
+    # tiles: the local ones, then the rest; a tile's expert is the number of experts whose tiles (of
+    # its kind) end at or before it
+    num_local = tl.sum(local_G, axis=0)
+    local_end = tl.cumsum(local_G, axis=0)
+    rest_end = tl.cumsum(rest_G, axis=0)
     for t0 in range(pid * BLOCK_T, max_tiles, num_programs * BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
-        t2 = t[:, None]
-        expert = tl.sum(((tile_end_G[None, :] <= t2) & (g2 < G)).to(tl.int32), axis=1)
+        is_local = t < num_local
+        u = tl.where(is_local, t, t - num_local)[:, None]  # index among the tiles of its kind
+        kind_end = tl.where(is_local[:, None], local_end[None, :], rest_end[None, :])
+        expert = tl.sum(((kind_end <= u) & (g2 < G)).to(tl.int32), axis=1)
         used = expert < G
         pick = g2 == expert[:, None]
-        row0 = tl.sum(tl.where(pick, start_G[None, :] + (t2 - first_G[None, :]) * BLOCK_M, 0), axis=1)
+        kind_first = kind_end - tl.where(is_local[:, None], local_G[None, :], rest_G[None, :])
+        skip = tl.where(is_local[:, None], 0, local_G[None, :])  # a rest tile follows the local ones
+        j = tl.sum(tl.where(pick, u - kind_first + skip, 0), axis=1)
+        row0 = tl.sum(tl.where(pick, start_G[None, :], 0), axis=1) + j * BLOCK_M
         row_end = tl.sum(tl.where(pick, end_G[None, :], 0), axis=1)
         keep = t < max_tiles
         tl.store(tiles_ptr + 3 * t, tl.where(used, expert, -1), mask=keep)

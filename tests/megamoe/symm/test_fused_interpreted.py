@@ -225,9 +225,13 @@ def _comm_only_rank(rank: int, world: int, case: tuple, num_comm: int, dispatch:
     )
     dist.barrier()  # every rank's pushes are done (kernels run synchronously on the CPU)
     expected = TokenExchange.build(idx, num_experts=E, group=group).dispatch_tokens(x)
-    received = int(plan.layout.expert_start_G1[-1])
+    lay = plan.layout
+    received = int(lay.expert_start_G1[-1])
+    # each expert's rows come own rank first in the pool, sources ascending in TokenExchange's order
+    expert = torch.searchsorted(lay.expert_start_G1[1:], torch.arange(received), right=True)
+    order = torch.sort(expert * world + lay.row_src_R[:received], stable=True).indices
     flags_set = bool((ws.view("pool_ready") == ws.state[0]).all())
-    return torch.equal(ws.view("pool")[:received], expected) and flags_set and not ws.task_done.any()
+    return torch.equal(ws.view("pool")[:received][order], expected) and flags_set and not ws.task_done.any()
 
 
 @DISPATCH

@@ -3,7 +3,8 @@ under ``TRITON_INTERPRET=1`` on the CPU).
 
 Every rank computes its own tables from the same counts; the test checks they agree with each other:
 each source's rows land on the owner of their expert at the rows whose recorded origin is that
-source and send position, expert segments are contiguous, and the tile table covers them exactly.
+source and send position, expert segments are contiguous, the owner's own rows lead each expert, and
+the tile table covers them exactly, the tiles of only own rows first.
 And every table equals the direct torch formulas below (the kernel's definition), clamped pools and
 the epoch's count bank included.
 """
@@ -46,12 +47,18 @@ def test_every_row_lands_where_its_destination_expects_it(W: int, G: int, seed: 
         start = torch.cat([torch.zeros(1, dtype=torch.long), mine.cumsum(0)])
         assert lay.expert_start_G1.tolist() == start.tolist()
         assert int(lay.received_rows_1) == int(mine.sum())
-        covered = []
+        src = lay.row_src_R.tolist()
+        for g in range(G):  # the destination's own rows lead each expert
+            origins = src[start[g] : start[g + 1]]
+            assert origins == sorted(origins, key=lambda s: (s - d) % W)
+        covered, local_only = [], []
         for t in range(int(lay.num_tiles_1)):
             expert, r0, r_end = lay.tiles_X3[t].tolist()
             assert start[expert] <= r0 < r_end <= start[expert + 1]
             covered += [r for r in range(r0, min(r0 + 4, r_end))]
-        assert covered == list(range(int(mine.sum())))
+            local_only.append(all(src[r] == d for r in range(r0, min(r0 + 4, r_end))))
+        assert sorted(covered) == list(range(int(mine.sum())))
+        assert local_only == sorted(local_only, reverse=True), "the tiles of own rows come first"
         assert (lay.tiles_X3[int(lay.num_tiles_1) :, 0] == -1).all()
 
 
@@ -66,39 +73,46 @@ def _reference(C: torch.Tensor, rank: int, G: int, P: int, block_m: int) -> dict
     """The layout in plain torch: the definition the kernel must reproduce, every table, every row."""
     W, E = C.shape
     C = C.long()
+    ranks = torch.arange(W)
     total_DG = C.sum(0).view(W, G)
-    send_dest_row_E = (total_DG.cumsum(1) - total_DG).reshape(E) + C[:rank].sum(0)
+    # on destination d the sources come in the order d, d+1, ..., d-1
+    ahead_of_me_SD = (ranks[:, None] - ranks[None, :]) % W < (rank - ranks[None, :]) % W
+    from_ahead_DG = (C.view(W, W, G) * ahead_of_me_SD[:, :, None]).sum(0)
+    send_dest_row_E = (total_DG.cumsum(1) - total_DG + from_ahead_DG).reshape(E)
     mine_WG = C[:, rank * G : (rank + 1) * G]
     end_G = mine_WG.sum(0).cumsum(0).clamp(max=P)
     expert_start_G1 = torch.cat([end_G.new_zeros(1), end_G])
+    start_G = expert_start_G1[:-1]
+    order_W = (ranks + rank) % W  # my pool's source order
+    in_order_GW = mine_WG[order_W].t()
+    seg_start_in_order_GW = start_G[:, None] + in_order_GW.cumsum(1) - in_order_GW
+    seg_start_GW = torch.empty_like(seg_start_in_order_GW)
+    seg_start_GW[:, order_W] = seg_start_in_order_GW
     seg_len_GW = mine_WG.t()
-    seg_start_GW = expert_start_G1[:-1, None] + seg_len_GW.cumsum(1) - seg_len_GW
     send_base_GW = (C.cumsum(1) - C)[:, rank * G : (rank + 1) * G].t()
     rows = torch.arange(P)
-    seg = (torch.searchsorted(seg_start_GW.reshape(-1), rows, right=True) - 1).clamp(min=0)
-    rows_G = expert_start_G1[1:] - expert_start_G1[:-1]
+    seg = (torch.searchsorted(seg_start_in_order_GW.reshape(-1), rows, right=True) - 1).clamp(min=0)
+    seg_g, seg_s = seg // W, order_W[seg % W]
+    # tiles: first those holding only my rows (they lead each expert), then the rest
+    rows_G = end_G - start_G
     tiles_G = (rows_G + block_m - 1) // block_m
-    tile_end_G = tiles_G.cumsum(0)
-    tile = torch.arange(-(-P // block_m) + G)
-    expert = torch.searchsorted(tile_end_G, tile, right=True)
-    used = expert < G
-    e = expert.clamp(max=G - 1)
-    row0 = expert_start_G1[e] + (tile - (tile_end_G[e] - tiles_G[e])) * block_m
-    tiles = torch.stack(
-        [
-            torch.where(used, expert, -1),
-            torch.where(used, row0, 0),
-            torch.where(used, expert_start_G1[e + 1], 0),
-        ],
-        1,
-    )
+    local_end_G = torch.minimum(start_G + mine_WG[rank], end_G)
+    local_G = torch.where(local_end_G == end_G, tiles_G, (local_end_G - start_G) // block_m)
+    tiles = [(g, int(start_G[g]) + j * block_m, int(end_G[g])) for g in range(G) for j in range(local_G[g])]
+    tiles += [
+        (g, int(start_G[g]) + j * block_m, int(end_G[g]))
+        for g in range(G)
+        for j in range(local_G[g], tiles_G[g])
+    ]
+    capacity = -(-P // block_m) + G
+    tiles += [(-1, 0, 0)] * (capacity - len(tiles))
     return {
         "send_dest_row_E": send_dest_row_E,
         "expert_start_G1": expert_start_G1,
-        "tiles_X3": tiles,
-        "num_tiles_1": tile_end_G[-1:],
-        "row_src_R": seg % W,
-        "row_pos_R": send_base_GW.reshape(-1)[seg] + rows - seg_start_GW.reshape(-1)[seg],
+        "tiles_X3": torch.tensor(tiles),
+        "num_tiles_1": tiles_G.sum().reshape(1),
+        "row_src_R": seg_s,
+        "row_pos_R": send_base_GW[seg_g, seg_s] + rows - seg_start_GW[seg_g, seg_s],
         "received_rows_1": mine_WG.sum().reshape(1),
         "seg_start_GW": seg_start_GW.reshape(-1),
         "seg_len_GW": seg_len_GW.reshape(-1),
