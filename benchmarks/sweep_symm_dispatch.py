@@ -57,7 +57,7 @@ def _legs(world: int) -> list[tuple[str, float]]:
     plan = sb.make_plan(idx, num_experts=E, group=dist.group.WORLD)
     h = sb.stage1_forward(x, tw, w1, plan)[0]
     ws, lay = plan.ws, plan.layout
-    pool, origins = ws.view("pool"), (lay.row_src_R, lay.row_pos_R)
+    pool = ws.view("pool")
     no_tiles = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def prologue():
@@ -70,7 +70,7 @@ def _legs(world: int) -> list[tuple[str, float]]:
             ws, op="gemm1", a_RK=pool, b=w1, b_kn=False, tiles_X3=lay.tiles_X3,
             num_tiles_1=lay.num_tiles_1 if tiles is None else tiles, out_RN=h,
             push=sb._dispatch(plan, x, tw) if push else None, wait=push and tiles is None,
-            local_rows=origins if local_a and push else None,
+            local_rows=lay if local_a and push else None,
         )  # fmt: skip
 
     def timed(fn) -> float:
@@ -92,7 +92,7 @@ def _legs(world: int) -> list[tuple[str, float]]:
             launch.fused_gemm(
                 ws, op="gemm1", a_RK=pool, b=w1, b_kn=False, tiles_X3=lay.tiles_X3,
                 num_tiles_1=lay.num_tiles_1 if tiles is None else tiles, out_RN=h, wait=True,
-                local_rows=origins, broadcast=(x, plan.send.row_token_R),
+                local_rows=lay, broadcast=(x, plan.send.row_token_R),
             )  # fmt: skip
             launch.join_broadcast(ws)
 

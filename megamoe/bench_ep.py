@@ -197,7 +197,6 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
         )
 
     remote = launch.RemoteOut(lay.row_src_R, lay.row_pos_R)
-    origins = (lay.row_src_R, lay.row_pos_R)
     remote_scalar = launch.RemoteOut(lay.row_src_R, lay.row_pos_R, wts.float())
 
     def fwd1_full():
@@ -209,12 +208,12 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
         if launch.dispatch_mode() == "broadcast":  # the copies and flags, tiles that only wait
             send_weight = s.row_values_R(tw).float()
             launch.broadcast_rows(ws, x, s.row_token_R, send_weight)
-            gemm("gemm1", pool, w1, False, num_tiles_1=no_tiles, out_RN=h, wait=True, local_rows=origins,
+            gemm("gemm1", pool, w1, False, num_tiles_1=no_tiles, out_RN=h, wait=True, local_rows=lay,
                  broadcast=(x, s.row_token_R))  # fmt: skip
             launch.join_broadcast(ws)
             return
         push = sb._dispatch(plan, x, tw)
-        gemm("gemm1", pool, w1, False, num_tiles_1=no_tiles, out_RN=h, push=push, local_rows=origins)
+        gemm("gemm1", pool, w1, False, num_tiles_1=no_tiles, out_RN=h, push=push, local_rows=lay)
 
     def fwd1_gemm():
         gemm("gemm1", pool, w1, False, out_RN=h)

@@ -18,9 +18,12 @@ _ROOT = Path(__file__).resolve().parents[2]
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper block may use
 
 
-def assert_compiles_for_sm90(module: str, known_spills: dict[str, int] | None = None) -> None:
+def assert_compiles_for_sm90(
+    module: str, known_spills: dict[str, int] | None = None, pipelined: tuple[str, ...] = ()
+) -> None:
     """Run ``python -m module`` and check every launch compiled, within shared memory, spilling no more
-    than ``known_spills`` (bytes by launch name; none for the others)."""
+    than ``known_spills`` (bytes by launch name; none for the others), and the ``pipelined`` launches
+    keep gathered loads in flight across their MMAs."""
     known_spills = known_spills or {}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
@@ -33,3 +36,7 @@ def assert_compiles_for_sm90(module: str, known_spills: dict[str, int] | None = 
         assert result["compiled"], f"{launch}: {result.get('error')}"
         assert result["spill_bytes"] <= known_spills.get(launch, 0), f"{launch} spills: {result}"
         assert result["shared"] <= SMEM_LIMIT, f"{launch} needs too much shared memory: {result}"
+    for launch in pipelined:
+        assert report[launch]["cp_async_in_flight"] >= 1, (
+            f"{launch}: gathered loads not pipelined: {report[launch]}"
+        )

@@ -165,7 +165,7 @@ class SymmBackend:
             out_RN=h,
             push=None if broadcast else self._dispatch(plan, x, weights_TK),
             wait=True,
-            local_rows=(lay.row_src_R, lay.row_pos_R),
+            local_rows=lay,
             broadcast=(x, s.row_token_R) if broadcast else None,
         )
         if broadcast:

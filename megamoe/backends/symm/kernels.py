@@ -431,7 +431,7 @@ def _pull_rows(
 
 @triton.jit
 def _gemm_tile(
-    tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr, send_token_ptr,
+    tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_local, num_n, src_ptr, send_token_ptr,
     a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr, row_pos_ptr, tiles_ptr,
     state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H, stride_a, stride_c, max_spins,
     bcast_x_ptr, bcast_tok_ptr, stage_rows, stage_slots,
@@ -443,29 +443,30 @@ def _gemm_tile(
     """GEMM role, one tile: [wait for its expert's rows,] ``A[rows] @ B[expert]``, store locally or remotely.
 
     Returns the expert whose rows are known to have landed (consecutive tiles mostly share one, so
-    its flags are polled once for them). ``LOCAL_A``: rows from this rank are read from ``src`` by
-    token (the comm role did not copy them into the pool), and a tile of only those waits for nothing. ``FLAT``: waits without branches or Triton
+    its flags are polled once for them; with ``FLAT``, expert + G after a tile of own rows). ``LOCAL_A``: rows from this rank are read from ``src`` by
+    token (the comm role did not copy them into the pool), and the table's first ``num_local`` tiles,
+    which hold only those, wait for nothing. ``FLAT``: waits without branches or Triton
     loops, for a flattened tile loop (``IN_PTX``: the poll loop in inline PTX).
     """
     pid_m, pid_n = _swizzle(tile_id, num_m, num_n, GROUP_M)
     expert = tl.load(tiles_ptr + 3 * pid_m)
     r0 = tl.load(tiles_ptr + 3 * pid_m + 1)
     r_end = tl.load(tiles_ptr + 3 * pid_m + 2)
-    # a tile of only my own rows (read from x, they lead the expert, so its last row says) awaits nothing
-    own_only = False
-    if LOCAL_A:
-        own_only = tl.load(row_src_ptr + tl.minimum(r0 + BLOCK_M, r_end) - 1) == rank
+    own_only = (pid_m < num_local) & LOCAL_A  # only my own rows (read from x): it awaits nothing
     if WAIT and FLAT:
         # no branch and no Triton loop (so the tile loop can be flattened): one wait per source up to
-        # MAX_FLAT_WORLD, each a no-op unless needed
+        # MAX_FLAT_WORLD, each a no-op unless needed. An own-rows tile remembers expert + G, which no
+        # later tile's rows match. (Keeping the previous expert instead, a select on the loop-carried
+        # value, made Triton 3.6 pipeline the flattened loop one stage shallower: 2.5x slower.)
+        key = expert + tl.where(own_only, G, 0)
         for s in tl.static_range(_MAX_FLAT_WORLD):
-            need = (s < world) & (expert != ready_expert) & ~own_only & ((s != rank) | (LOCAL_A == 0))
+            need = (s < world) & (key != ready_expert) & ~own_only & ((s != rank) | (LOCAL_A == 0))
             src = tl.minimum(s, world - 1)
             _wait_flag(
                 pool_ready_ptr + src * G + expert, epoch, need, state_ptr, rank, _POOL, src * G + expert,
                 max_spins, IN_PTX,
             )  # fmt: skip
-        ready_expert = tl.where(own_only, ready_expert, expert)
+        ready_expert = key
     elif WAIT:  # noqa: SIM102 (compile-time branch)
         if (expert != ready_expert) & ~own_only:
             for s in range(world):
@@ -554,6 +555,7 @@ def _fused_kernel(
     row_pos_ptr,
     tiles_ptr,
     num_tiles_ptr,
+    num_local_tiles_ptr,
     # workspace
     ptrs_dev,
     state_ptr,
@@ -671,6 +673,9 @@ def _fused_kernel(
     if TRACE:
         _trace(trace_ptr, pid, 1, _now(pid, IN_PTX))
     num_m = tl.load(num_tiles_ptr)
+    num_local = 0
+    if LOCAL_A:  # the table's first num_local tiles hold only this rank's own rows
+        num_local = tl.load(num_local_tiles_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
     total = num_m * num_n
     # Tiles [0, num_static) go to the GEMM programs at a fixed stride, and Triton pipelines across
@@ -692,7 +697,7 @@ def _fused_kernel(
     if FLAT or not COMM:
         for tile_id in tl.range(first, num_static, gemm_programs, flatten=True):
             ready_expert = _gemm_tile(
-                tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr,
+                tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_local, num_n, src_ptr,
                 send_token_ptr, a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr,
                 row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
                 stride_a, stride_c, max_spins, bcast_x_ptr, bcast_tok_ptr, stage_rows, stage_slots, WAIT,
@@ -708,7 +713,7 @@ def _fused_kernel(
             if TRACE:
                 counter_tiles += 1
             ready_expert = _gemm_tile(
-                tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_n, src_ptr,
+                tile_id, ready_expert, epoch, bases, rank, world, G, num_m, num_local, num_n, src_ptr,
                 send_token_ptr, a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr,
                 row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
                 stride_a, stride_c, max_spins, bcast_x_ptr, bcast_tok_ptr, stage_rows, stage_slots, WAIT,

@@ -18,6 +18,7 @@ from megamoe.backends.symm.kernels import (
     _signal_ready_kernel,
     _wait_kernel,
 )
+from megamoe.backends.symm.layout import SymmLayout
 from megamoe.backends.symm.workspace import SymmWorkspace, debug_enabled
 from megamoe.backends.triton.configs import gemm_config, num_programs
 from megamoe.errors import InvalidConfigError
@@ -217,15 +218,16 @@ def fused_gemm(
     row_scale_R: Tensor | None = None,
     skip_mma: bool = False,
     num_comm: int | None = None,
-    local_rows: tuple[Tensor, Tensor] | None = None,
+    local_rows: SymmLayout | None = None,
     broadcast: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """One launch of the fused kernel: optional row push, grouped GEMM ``A @ B[expert]``, local or remote out.
 
     ``skip_mma`` leaves out the K loop (tiles store zeros): the benchmark's communication-only leg.
     ``num_comm`` overrides :func:`comm_programs` (tests of the comm role alone, with no tiles).
-    ``local_rows`` (push mode): the pool rows' ``(source rank, send position)``; this rank's own rows are
-    then not copied into its pool, GEMM tiles read them from ``push.src_TH`` by token.
+    ``local_rows`` (push mode): the op's layout; this rank's own rows are then not copied into its pool,
+    GEMM tiles read them from ``push.src_TH`` by token (the pool rows' source rank and send position),
+    and the layout's first ``num_local_tiles`` tiles, which hold only those, wait for nothing.
     ``broadcast`` (broadcast mode, with ``local_rows`` and ``wait``): ``(x, send tokens)``; own rows from
     ``x``, a peer's from its copy in the workspace (:func:`broadcast_rows`), no comm role.
     """
@@ -233,7 +235,10 @@ def fused_gemm(
         raise ValueError("wait=True waits for rows a comm role pushes or a broadcast copies: pass push=")
     local_a = local_rows is not None and ((push is not None and not push.pull) or broadcast is not None)
     src_TH, send_token_S = broadcast or ((push.src_TH, push.send_token_S) if push else (None, None))
-    row_src, row_pos = (remote.row_src_R, remote.row_pos_R) if remote else (local_rows or (None, None))
+    if remote:
+        row_src, row_pos = remote.row_src_R, remote.row_pos_R
+    else:
+        row_src, row_pos = (local_rows.row_src_R, local_rows.row_pos_R) if local_rows else (None, None)
     cfg = gemm_config(op, a_RK.device)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if b_kn:
@@ -265,6 +270,7 @@ def fused_gemm(
         row_pos,
         tiles_X3,
         num_tiles_1,
+        local_rows.num_local_tiles_1 if local_a else None,
         ws.ptrs_dev,
         ws.state,
         ws.view("pool_ready"),

@@ -41,6 +41,8 @@ class SymmLayout:
     """pool row offsets of this rank's experts; ``[G]`` = rows received (clamped to P)."""
     tiles_X3: Tensor
     num_tiles_1: Tensor
+    num_local_tiles_1: Tensor
+    """the table's first tiles, which hold only this rank's own rows."""
     row_src_R: Tensor
     """source rank of each pool row."""
     row_pos_R: Tensor
@@ -79,6 +81,7 @@ def build_layout(
         expert_start_G1=torch.empty(G + 1, **i32),
         tiles_X3=torch.empty(max_tiles, 3, **i32),
         num_tiles_1=torch.empty(1, **i32),
+        num_local_tiles_1=torch.empty(1, **i32),
         row_src_R=torch.empty(P, **i32),
         row_pos_R=torch.empty(P, **i32),
         received_rows_1=torch.empty(1, **i32),
@@ -91,7 +94,7 @@ def build_layout(
     grid = max(1, min(-(-P // block_r), 2 * 132))
     _layout_kernel[(grid,)](
         counts_WE, epoch_1, rank, W, E, G, P, max_tiles,
-        out.send_dest_row_E, out.expert_start_G1, out.tiles_X3, out.num_tiles_1, out.row_src_R,
+        out.send_dest_row_E, out.expert_start_G1, out.tiles_X3, out.num_tiles_1, out.num_local_tiles_1, out.row_src_R,
         out.row_pos_R, out.received_rows_1, out.seg_start_GW, out.seg_len_GW, out.seg_pos_GW,
         BANKED=epoch_1 is not None, W_PAD=max(2, triton.next_power_of_2(W)), G_PAD=max(2, triton.next_power_of_2(G)),
         BLOCK_R=block_r, BLOCK_T=block_r, BLOCK_M=block_m, num_warps=1 if interpret else 4,
@@ -102,7 +105,7 @@ def build_layout(
 @triton.jit(do_not_specialize=["rank", "P", "max_tiles"])
 def _layout_kernel(
     counts_ptr, epoch_ptr, rank, W, E, G, P, max_tiles,
-    send_dest_row_ptr, expert_start_ptr, tiles_ptr, num_tiles_ptr, row_src_ptr, row_pos_ptr,
+    send_dest_row_ptr, expert_start_ptr, tiles_ptr, num_tiles_ptr, num_local_tiles_ptr, row_src_ptr, row_pos_ptr,
     received_ptr, seg_start_ptr, seg_len_ptr, seg_pos_ptr,
     BANKED: tl.constexpr, W_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -150,6 +153,7 @@ def _layout_kernel(
         tl.store(seg_pos_ptr + g2 * W + s2, seg_pos, mask=valid)
         tl.store(received_ptr, tl.sum(total_G, axis=0))
         tl.store(num_tiles_ptr, tl.sum(tiles_G, axis=0))
+        tl.store(num_local_tiles_ptr, tl.sum(local_G, axis=0))
     # pool rows: the segment (g, s) of row r is the last one, in pool order (g-major, then rot), starting
     # at or before r (row 0's when none does)
     order = g2 * W + rot[:, None]

@@ -23,7 +23,8 @@ _POINTERS = dict(
     src_ptr="*bf16", send_token_ptr="*i32", send_slot_ptr="*i32", send_weight_ptr="*fp32",
     send_start_ptr="*i32", send_dest_row_ptr="*i32", seg_start_ptr="*i32", seg_len_ptr="*i32",
     seg_pos_ptr="*i32", a_ptr="*bf16", c_ptr="*bf16", row_scale_ptr="*fp32", scalar_ptr="*fp32",
-    row_src_ptr="*i32", row_pos_ptr="*i32", tiles_ptr="*i32", num_tiles_ptr="*i32", ptrs_dev="i64",
+    row_src_ptr="*i32", row_pos_ptr="*i32", tiles_ptr="*i32", num_tiles_ptr="*i32",
+    num_local_tiles_ptr="*i32", ptrs_dev="i64",
     state_ptr="*i32", pool_ready_ptr="*i32", pool_ptr="*bf16", pool_w_ptr="*fp32", comb_ptr="*bf16",
     comb_scalar_ptr="*fp32", comb_ready_ptr="*i32", stage_x_ptr="*bf16", stage_tok_ptr="*i32",
     stage_w_ptr="*fp32", task_done_ptr="*i32", trace_ptr=None, bcast_x_ptr=None, bcast_tok_ptr=None,
@@ -82,12 +83,16 @@ LAUNCHES = {
 }  # fmt: skip
 
 
+PIPELINED = [name for name, (kernel, args, _) in LAUNCHES.items() if not args["SKIP_MMA"]]
+"""launches whose gathered A loads must stay in flight across MMAs (``cp_async_in_flight >= 1``)"""
+
+
 def _layout(world: int) -> tuple:
     """layout.build_layout at DeepSeek-V3's per-rank shape (32 local experts) in an EP group of ``world``."""
     args = dict(
         counts_ptr="*i32", epoch_ptr="*i32", rank="i32", W=world, E=32 * world, G=32, P="i32",
         max_tiles="i32", send_dest_row_ptr="*i32", expert_start_ptr="*i32", tiles_ptr="*i32",
-        num_tiles_ptr="*i32", row_src_ptr="*i32", row_pos_ptr="*i32", received_ptr="*i32",
+        num_tiles_ptr="*i32", num_local_tiles_ptr="*i32", row_src_ptr="*i32", row_pos_ptr="*i32", received_ptr="*i32",
         seg_start_ptr="*i32", seg_len_ptr="*i32", seg_pos_ptr="*i32", BANKED=True, W_PAD=world, G_PAD=32,
         BLOCK_R=32, BLOCK_T=32, BLOCK_M=gemm_config("gemm1", CUDA)["BLOCK_M"],
     )  # fmt: skip

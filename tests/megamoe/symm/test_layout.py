@@ -111,6 +111,7 @@ def _reference(C: torch.Tensor, rank: int, G: int, P: int, block_m: int) -> dict
         "expert_start_G1": expert_start_G1,
         "tiles_X3": torch.tensor(tiles),
         "num_tiles_1": tiles_G.sum().reshape(1),
+        "num_local_tiles_1": local_G.sum().reshape(1),
         "row_src_R": seg_s,
         "row_pos_R": send_base_GW[seg_g, seg_s] + rows - seg_start_GW[seg_g, seg_s],
         "received_rows_1": mine_WG.sum().reshape(1),

@@ -104,11 +104,15 @@ def compile_kernel(kernel, args: dict, *, num_warps: int = 4, num_stages: int = 
         return {"compiled": False, "error": f"ptxas: {info}"[:800]}
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", info))
     registers = int(m.group(1)) if (m := re.search(r"Used (\d+) registers", info)) else -1
+    # cp.async groups a pointer-load pipeline leaves in flight at its deepest wait: 0 means every
+    # gathered load is waited for before its MMA (no overlap); -1: no cp.async pipeline at all
+    waits = [int(n) for n in re.findall(r"ttg\.async_wait.*\{num = (\d+)", compiled.asm["ttgir"])]
     return {
         "compiled": True,
         "shared": compiled.metadata.shared,
         "registers": registers,
         "spill_bytes": spills,
+        "cp_async_in_flight": max(waits, default=-1),
     }
 
 
