@@ -17,7 +17,9 @@ routing, one process per GPU, slowest rank's median of 20 samples of 3 back-to-b
 
 then the timeline of one kernel on rank 0 (``MEGAMOE_SYMM_TRACE=1``, the GPU's global timer in every
 program): when the comm programs are done, when the GEMM programs run out of fixed-stride tiles, who
-takes the counter tiles, when the last program ends.
+takes the counter tiles, when the last program ends. With ``--gpu-events``, rank 0 also lists every
+kernel and memory copy of three whole ops (torch.profiler: stream, start, duration), which shows what
+runs concurrently with the GEMM (broadcast mode's copies: copy engine or SMs, overlapped or not).
 
 Prints a markdown table and writes JSON. About a minute on 2 x H200, most of it compiling.
 """
@@ -168,13 +170,52 @@ def _timeline(world: int) -> list[str]:
     return lines
 
 
-def _worker(rank: int, world: int, port: int, out: str | None) -> None:
+def _gpu_events(world: int) -> list[str]:
+    """Every kernel and memory copy of three back-to-back forward stage-1 ops (this rank, the
+    environment's dispatch mode), from torch.profiler: ms from the first one's start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megamoe.backends.symm.backend import SymmBackend
+    from megamoe.bench import MODELS
+    from megamoe.bench_ep import _inputs
+
+    x, idx, tw, w1, _ = _inputs(MODELS["DeepSeek-V3"], "uniform", world, dist.get_rank())
+    sb, E = SymmBackend(), w1.shape[0] * world
+
+    def op():
+        sb.stage1_forward(x, tw, w1, sb.make_plan(idx, num_experts=E, group=dist.group.WORLD))
+
+    for _ in range(3):
+        op()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            op()
+        torch.cuda.synchronize()
+    dist.barrier()
+    events = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    if not events:
+        return []
+    t0 = events[0].time_range.start
+    return [
+        f"| {e.name[:70]} | {getattr(e, 'device_resource_id', '?')} | {(e.time_range.start - t0) / 1e3:.3f} | "
+        f"{(e.time_range.end - e.time_range.start) / 1e3:.3f} |"
+        for e in events
+    ]
+
+
+def _worker(rank: int, world: int, port: int, out: str | None, gpu_events: bool) -> None:
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))  # fmt: skip
     legs = _legs(world)
     timeline = _timeline(world)
+    events = _gpu_events(world) if gpu_events else []
     if rank == 0:
         print(f"{world} x {torch.cuda.get_device_name(0)}, DeepSeek-V3 per-rank shape, uniform routing")
         print("| leg | ms |\n|---|---|")
@@ -185,6 +226,10 @@ def _worker(rank: int, world: int, port: int, out: str | None) -> None:
         )
         print("| kernel | event | min / median / max |\n|---|---|---|")
         print("\n".join(timeline))
+        if events:
+            print("\nGPU events of three whole ops, rank 0 (ms from the first event's start)")
+            print("| kernel or copy | stream | start | duration |\n|---|---|---|---|")
+            print("\n".join(events))
         if out:
             with open(out, "w") as f:
                 json.dump({"world": world, "legs": dict(legs), "timeline": timeline}, f, indent=1)
@@ -196,6 +241,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-processes", type=int, default=2, help="GPUs of this node, one process each")
     p.add_argument("--out", default=None, help="JSON file for the results")
+    p.add_argument(
+        "--gpu-events", action="store_true", help="also list three ops' kernels and copies (torch.profiler)"
+    )
     args = p.parse_args()
     if torch.cuda.device_count() < args.num_processes:
         raise SystemExit(
@@ -204,7 +252,12 @@ def main() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_worker, args=(args.num_processes, port, args.out), nprocs=args.num_processes, join=True)
+    mp.spawn(
+        _worker,
+        args=(args.num_processes, port, args.out, args.gpu_events),
+        nprocs=args.num_processes,
+        join=True,
+    )
 
 
 if __name__ == "__main__":
