@@ -11,9 +11,9 @@ fused op of the expert path:
 * ``serial``      NCCL ``all_to_all_single`` of the same rows, then the same GEMM leg, in sequence
   (split sizes computed once outside the timing, which flatters the serial path).
 
-Each op's sample is ``OP_CALLS_PER_SAMPLE`` back-to-back calls, so a lone op's host launch latency
-(stage 1 starts with its routing tables, the count exchange and the layout) is not counted as device
-time.
+Each op's sample is ``OP_CALLS_PER_SAMPLE`` back-to-back calls, enqueued while a spin kernel holds the
+GPU (:func:`time_collective`), so the host's launch latency (stage 1 starts with its routing tables,
+the count exchange and the layout) is not counted as device time, for either path.
 
 ``--mode layer`` times ``fused_mega_moe`` forward + backward against the NCCL all-to-all +
 ``torch._grouped_mm`` pipeline (the split sizes read on the host each step, as megatron's
@@ -42,6 +42,9 @@ _NO_MULTICAST = {
 
 OP_CALLS_PER_SAMPLE = 3
 """back-to-back calls per timed sample of one fused op (its legs and its serial path alike)."""
+HOLD_CYCLES = 10_000_000
+"""GPU clock cycles a spin kernel holds the stream before each sample's start event (~5 ms at the
+H200's 1.98 GHz): the host enqueues the sample's calls meanwhile, so the GPU never waits for it."""
 
 
 @dataclass(slots=True)
@@ -78,10 +81,13 @@ def time_collective(
 ) -> float:
     """Median ms of ``fn`` over ``repeats`` event-timed samples on every rank; the slowest rank's median.
 
-    A sample is ``calls_per_sample`` back-to-back calls divided by that count: the host enqueues the
-    next call while the GPU runs the current one, as in a training step, so the device time is measured
-    rather than the host's launch latency of a lone op. Fixed counts (not ``do_bench``'s adaptive ones)
-    because every rank must make the same calls.
+    A sample is ``calls_per_sample`` back-to-back calls divided by that count, timed from the end of a
+    spin kernel (:data:`HOLD_CYCLES`) during which the host enqueues them: as in a training step, where
+    the host runs ahead of the GPU, the device time is measured, not the host's launch latency (about
+    1.7 ms of Python and launches before the fused kernel of a lone stage-1 op on an idle GPU). A path
+    that syncs with the host inside (the baseline layer reads its split sizes) waits out the spin
+    there, as it would wait for the previous layer in training. Fixed counts (not ``do_bench``'s
+    adaptive ones) because every rank must make the same calls.
     """
     for _ in range(warmup):
         fn()
@@ -90,6 +96,7 @@ def time_collective(
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HOLD_CYCLES)
         start.record()
         for _ in range(calls_per_sample):
             fn()
