@@ -142,7 +142,7 @@ def _timeline(world: int) -> list[str]:
                                   tiles_X3=lay.tiles_X3, num_tiles_1=lay.num_tiles_1, out_RN=h)  # fmt: skip
             torch.cuda.synchronize()
             dist.barrier()
-        has_comm_role = push and launch.dispatch_mode() != "broadcast"
+        has_comm_role = push and launch.dispatch_mode(world) != "broadcast"
         comm = launch.comm_programs(x.device) if has_comm_role else 0
         os.environ.clear()
         os.environ.update(saved)

@@ -212,7 +212,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
 
     def fwd1_comm():
         sb._exchange(plan, x, tw)  # [pull staging,] count exchange with the barrier, layout
-        if launch.dispatch_mode() == "broadcast":  # the copies and flags, tiles that only wait
+        if launch.dispatch_mode(ws.world) == "broadcast":  # the copies and flags, tiles that only wait
             send_weight = s.row_values_R(tw).float()
             launch.broadcast_rows(ws, x, s.row_token_R, send_weight)
             gemm("gemm1", pool, w1, False, num_tiles_1=no_tiles, out_RN=h, wait=True, local_rows=lay,
@@ -301,8 +301,9 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     results = []
     ops = dispatch_ops if mode == "dispatch_grouped_gemm" else combine_ops
     # every op that moves rows to the experts, each way; broadcast (stage 1 forward only) when the
-    # workspace was allocated for it (MEGAMOE_SYMM_DISPATCH=broadcast at the start)
+    # workspace was allocated for it (broadcast mode when it was built: the default at EP = 2)
     modes = [m for m in launch.DISPATCH_MODES if m != "broadcast" or ws.shapes["bcast_x"][0][0]]
+    chosen = os.environ.get("MEGAMOE_SYMM_DISPATCH")
     for dispatch in modes:
         os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
         for stage, full, comm, gemm_leg, serial in ops:
@@ -319,7 +320,10 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
                 for leg in (comm, gemm_leg, full, serial)
             )
             results.append(StageResult(name, routing, label, t_comm, t_gemm, t_full, t_serial))
-    del os.environ["MEGAMOE_SYMM_DISPATCH"]
+    if chosen is None:
+        del os.environ["MEGAMOE_SYMM_DISPATCH"]
+    else:
+        os.environ["MEGAMOE_SYMM_DISPATCH"] = chosen
     if mode == "grouped_gemm_combine":
         t_wgrad = time_collective(wgrad, calls_per_sample=OP_CALLS_PER_SAMPLE)
         results.append(

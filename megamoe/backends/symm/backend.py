@@ -5,9 +5,11 @@ static row count of every per-row tensor on the expert side; rows past ``expert_
 
 Each op starts with :func:`~.launch.begin_op` (epoch + barrier), then (push mode; in pull mode,
 ``MEGAMOE_SYMM_DISPATCH=pull``, each rank stages its rows before the barrier and the destination's
-comm programs read them)::
+comm programs read them; in broadcast mode, the default at EP = 2, stage 1's forward copies x to
+every peer with the copy engines instead, :func:`~.launch.dispatch_mode`)::
 
-    stage 1 fwd   [exchange counts] -> layout -> push x rows + weights | GEMM1 tiles wait per expert -> h
+    stage 1 fwd   [exchange counts] -> layout -> push x rows + weights | GEMM1 tiles (own rows first,
+                  they wait for nothing) wait per expert -> h
     stage 2 fwd   SwiGLU -> GEMM2 * weight, rows pushed to their source's combine slots -> wait -> sum over K
     stage 2 bwd   push dy rows | GEMM2-dgrad tiles wait per expert -> SwiGLU bwd -> dW2 on the pool
     stage 1 bwd   push x rows again (dW1 recompute) | GEMM1-dgrad rows + d(weight) pushed to sources
@@ -79,7 +81,7 @@ class SymmBackend:
             dtype=x_TH.dtype,
             device=x_TH.device,
         )
-        if launch.dispatch_mode() == "pull":
+        if launch.dispatch_mode(ws.world) == "pull":
             launch.stage_for_pull(ws, x_TH, s.row_token_R, s.row_values_R(weights_TK).float())
         launch.begin_op(ws, _counts(s))
         layout = build_layout(
@@ -117,7 +119,7 @@ class SymmBackend:
             seg_pos_GW=lay.seg_pos_GW,
             send_slot_S=s.row_slot_R if weights_TK is not None else None,
             weights_TK=weights_TK,
-            pull=launch.dispatch_mode() == "pull",
+            pull=launch.dispatch_mode(plan.ws.world) == "pull",
         )
 
     def _begin(self, plan: SymmPlan, dispatch: launch.Dispatch | None = None) -> None:
@@ -150,7 +152,7 @@ class SymmBackend:
         self._exchange(plan, x, weights_TK)
         ws, lay, s = plan.ws, plan.layout, plan.send
         h = x.new_empty(ws.pool_rows, w1_G2IH.shape[1])
-        broadcast = launch.dispatch_mode() == "broadcast"
+        broadcast = launch.dispatch_mode(ws.world) == "broadcast"
         if broadcast:
             send_weight_S = s.row_values_R(weights_TK).float()
             launch.broadcast_rows(ws, x, s.row_token_R, send_weight_S)

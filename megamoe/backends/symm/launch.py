@@ -91,12 +91,17 @@ def wait_flags(ws: SymmWorkspace, region: str, counter_id: int) -> None:
 DISPATCH_MODES = ("push", "pull", "broadcast")
 
 
-def dispatch_mode() -> str:
-    """``MEGAMOE_SYMM_DISPATCH``: ``push`` (default: sources write into the destinations' pools), ``pull``
+def dispatch_mode(world: int) -> str:
+    """``MEGAMOE_SYMM_DISPATCH``: ``push`` (sources write into the destinations' pools), ``pull``
     (sources stage their rows locally, destinations read them) or ``broadcast`` (stage 1 forward: each
     source copies its whole ``x`` into every peer's workspace with the copy engines, GEMM1 tiles gather
-    rows from those copies by token; the other ops push)."""
-    mode = os.environ.get("MEGAMOE_SYMM_DISPATCH", "push")
+    rows from those copies by token; the other ops push).
+
+    Unset: ``broadcast`` in an EP group of 2, where it measured faster on 2 x H200 (forward dispatch op
+    1.14x the serial path against push's 1.02x; docs/benchmarks.md), else ``push`` (broadcast moves
+    each token once per peer, not once per routed slot, but is not yet measured on more GPUs).
+    """
+    mode = os.environ.get("MEGAMOE_SYMM_DISPATCH") or ("broadcast" if world == 2 else "push")
     if mode not in DISPATCH_MODES:
         raise InvalidConfigError(
             "MEGAMOE_SYMM_DISPATCH", mode, "unknown dispatch mode", f"Use one of {', '.join(DISPATCH_MODES)}"

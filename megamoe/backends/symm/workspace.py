@@ -325,7 +325,7 @@ def _allocate(
         max_tokens = int(bound.item())
     from megamoe.backends.symm.launch import dispatch_mode
 
-    broadcast = dispatch_mode() == "broadcast"
+    broadcast = dispatch_mode(world) == "broadcast"
     layout = BufferLayout.build(key, world, max(max_tokens, 1), capacity_factor(), broadcast=broadcast)
     if device.type == "cuda":
         buffer, ptrs_dev, keepalive, peers = _symmetric_cuda(group, layout.total_bytes, device, broadcast)

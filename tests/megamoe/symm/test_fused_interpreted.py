@@ -292,7 +292,12 @@ def _traced_rank(rank: int, world: int, case: tuple) -> tuple[list[list[int]], i
     from tests.megamoe.triton.interpreter_compat import install
 
     install()
-    os.environ.update(MEGAMOE_SYMM_TRACE="1", MEGAMOE_SYMM_FLAT_WAIT="1", MEGAMOE_SYMM_TAIL="25")
+    os.environ.update(
+        MEGAMOE_SYMM_TRACE="1",
+        MEGAMOE_SYMM_FLAT_WAIT="1",
+        MEGAMOE_SYMM_TAIL="25",
+        MEGAMOE_SYMM_DISPATCH="push",
+    )
     x, idx, tw, w1, _, _ = (t[0][rank] for t in case)
     E = w1.shape[0]
     backend = SymmBackend()
