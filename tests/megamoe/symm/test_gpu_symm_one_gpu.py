@@ -128,6 +128,7 @@ def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...])
     # compile and load every kernel first: loading a module waits for the GPU, so it must not happen
     # between two ranks' launches while one of them spins there
     os.environ["MEGAMOE_SYMM_WAIT_SPINS"] = "20000000"  # a stuck wait gives up (recorded) rather than hangs
+    os.environ["MEGAMOE_SYMM_DISPATCH"] = "push"  # the protocol checked here (no broadcast regions below)
     # one rank with the pool of W ranks: every row count the kernels see is the same as below
     warm = _ranks_on_one_gpu(1, topk=K, num_experts=E, hidden=H, max_tokens=W * max(tokens), name="warm-up")
     with torch.cuda.stream(warm[0].stream):
