@@ -443,10 +443,11 @@ def _gemm_tile(
     """GEMM role, one tile: [wait for its expert's rows,] ``A[rows] @ B[expert]``, store locally or remotely.
 
     Returns the expert whose rows are known to have landed (consecutive tiles mostly share one, so
-    its flags are polled once for them; with ``FLAT``, expert + G after a tile of own rows). ``LOCAL_A``: rows from this rank are read from ``src`` by
-    token (the comm role did not copy them into the pool), and the table's first ``num_local`` tiles,
-    which hold only those, wait for nothing. ``FLAT``: waits without branches or Triton
-    loops, for a flattened tile loop (``IN_PTX``: the poll loop in inline PTX).
+    its flags are polled once for them; with ``FLAT``, expert + G after a tile of own rows).
+    ``LOCAL_A``: rows from this rank are read from ``src`` by token (the comm role did not copy them
+    into the pool), and the table's first ``num_local`` tiles, which hold only those, wait for
+    nothing. ``FLAT``: waits without branches or Triton loops, for a flattened tile loop (``IN_PTX``:
+    the poll loop in inline PTX).
     """
     pid_m, pid_n = _swizzle(tile_id, num_m, num_n, GROUP_M)
     expert = tl.load(tiles_ptr + 3 * pid_m)

@@ -17,8 +17,8 @@ row the source rank and the source's send position, which is where the expert ou
 The tile table lists the *local* tiles first (every BLOCK_M-row tile that holds only this rank's own
 rows, which lead each expert), expert by expert, then the rest, expert by expert. The fused kernels
 read a rank's own rows straight from ``x``, so a local tile waits for no peer: the first 1/W of the
-GEMM runs while the peers' rows are still on the wire.
-The order is deterministic, like :class:`~megamoe.backends.exchange.TokenExchange`'s.
+GEMM runs while the peers' rows are still on the wire. The same counts give the same layout on every
+rank and every run, so every sum over the pool (the wgrads) has the same bits every run.
 """
 
 from __future__ import annotations
