@@ -34,7 +34,13 @@ from megamoe.backends.triton.combine import _combine_kernel
 from megamoe.backends.triton.configs import gemm_config, wgrad_config
 from megamoe.backends.triton.grouped_gemm import _grouped_gemm_kernel
 from megamoe.backends.triton.padding import _zero_padding_rows_kernel
-from megamoe.backends.triton.routing import _histogram_kernel, _offsets_kernel, _scatter_kernel
+from megamoe.backends.triton.routing import (
+    OFFSET_COLUMNS,
+    _histogram_kernel,
+    _offsets_kernel,
+    _scatter_kernel,
+    _totals_kernel,
+)
 from megamoe.backends.triton.swiglu import _swiglu_backward_kernel, _swiglu_forward_kernel
 from megamoe.backends.triton.wgrad import _wgrad_kernel
 from megamoe.bench import MODELS
@@ -182,10 +188,12 @@ def _routing(experts: int) -> dict:
     blocks = triton.cdiv(S, block_s)
     warps = {"num_warps": 8}
     hist = dict(idx_ptr="*i64", counts_ptr="*i32", S=S, G=experts, BLOCK_S=block_s, BINS=bins)
+    cols = min(bins, OFFSET_COLUMNS)
+    totals = dict(counts_ptr="*i32", totals_ptr="*i32", num_blocks=blocks, BINS=bins, COLS=cols, CHUNK=chunk)
     offsets = dict(
-        counts_ptr="*i32", base_ptr="*i32", expert_start_ptr="*i32", tiles_ptr="*i32", num_tiles_ptr="*i32",
-        num_blocks=blocks, G=experts, max_tiles=triton.cdiv(S, 128) + experts, BLOCK_M=128, BINS=bins,
-        CHUNK=chunk,
+        counts_ptr="*i32", totals_ptr="*i32", base_ptr="*i32", expert_start_ptr="*i32", tiles_ptr="*i32",
+        num_tiles_ptr="*i32", num_blocks=blocks, G=experts, max_tiles=triton.cdiv(S, 128) + experts,
+        BLOCK_M=128, BINS=bins, COLS=cols, CHUNK=chunk,
     )  # fmt: skip
     scatter = dict(
         idx_ptr="*i64", base_ptr="*i32", row_slot_ptr="*i32", row_token_ptr="*i32", slot_row_ptr="*i32",
@@ -193,6 +201,7 @@ def _routing(experts: int) -> dict:
     )  # fmt: skip
     return {
         f"routing histogram, BINS={bins}": (_histogram_kernel, hist, warps),
+        f"routing totals, BINS={bins}": (_totals_kernel, totals, warps),
         f"routing offsets, BINS={bins}": (_offsets_kernel, offsets, warps),
         f"routing scatter, BINS={bins}": (_scatter_kernel, scatter, warps),
     }

@@ -22,8 +22,15 @@ def _expected(idx_TK: torch.Tensor, G: int, block_m: int):
 
 @pytest.mark.parametrize(
     ("T", "K", "G", "drop"),
-    [(37, 3, 5, 0.2), (64, 8, 16, 0.0), (0, 2, 3, 0.0), (50, 2, 1, 0.5), (20, 4, 9, 1.0)],
-    ids=["ragged", "top8-16experts", "no-tokens", "one-expert", "all-dropped"],
+    [(37, 3, 5, 0.2), (64, 8, 16, 0.0), (0, 2, 3, 0.0), (50, 2, 1, 0.5), (20, 4, 9, 1.0), (150, 4, 40, 0.1)],
+    ids=[
+        "ragged",
+        "top8-16experts",
+        "no-tokens",
+        "one-expert",
+        "all-dropped",
+        "40-experts-4-offset-programs",
+    ],
 )
 def test_routing_plan_sorts_stably_and_tiles_every_expert(T: int, K: int, G: int, drop: float) -> None:
     g = torch.Generator().manual_seed(T + G)
