@@ -12,11 +12,13 @@ routing, one process per GPU, slowest rank's median of 20 samples of 3 back-to-b
   ``MEGAMOE_SYMM_TAIL``, ``MEGAMOE_SYMM_FLAT_WAIT``, and this rank's own rows read from ``x``
   (``local A``, the default) or copied into the pool like the peers' rows;
 * ``comm only``: the same launch with no GEMM tiles; ``GEMM only``: no push, no wait;
-* with ``MEGAMOE_SYMM_DISPATCH=broadcast`` set: the broadcast kernel (copy engines move each rank's
-  ``x`` to every peer, GEMM1 gathers rows from the copies) and its copies alone;
+* in broadcast mode (the default at EP = 2, else ``MEGAMOE_SYMM_DISPATCH=broadcast``): the broadcast
+  kernel (copy engines move each rank's ``x`` to every peer, GEMM1 gathers rows from the copies) and
+  its copies alone;
 
-then the timeline of one kernel on rank 0 (``MEGAMOE_SYMM_TRACE=1``, the GPU's global timer in every
-program): when the comm programs are done, when the GEMM programs run out of fixed-stride tiles, who
+then the timeline of one kernel on rank 0 in the environment's dispatch mode (set
+``MEGAMOE_SYMM_DISPATCH=push`` for the push kernel's at EP = 2), from ``MEGAMOE_SYMM_TRACE=1`` (the
+GPU's global timer in every program): when the comm programs are done, when the GEMM programs run out of fixed-stride tiles, who
 takes the counter tiles, when the last program ends. With ``--gpu-events``, rank 0 also lists every
 kernel and memory copy of three whole ops (torch.profiler: stream, start, duration), which shows what
 runs concurrently with the GEMM (broadcast mode's copies: copy engine or SMs, overlapped or not).
