@@ -18,8 +18,9 @@ routing, one process per GPU, slowest rank's median of 20 samples of 3 back-to-b
 
 then the timeline of one kernel on rank 0 in the environment's dispatch mode (set
 ``MEGAMOE_SYMM_DISPATCH=push`` for the push kernel's at EP = 2), from ``MEGAMOE_SYMM_TRACE=1`` (the
-GPU's global timer in every program): when the comm programs are done, when the GEMM programs run out of fixed-stride tiles, who
-takes the counter tiles, when the last program ends. With ``--gpu-events``, rank 0 also lists every
+GPU's global timer in every program): when the comm programs are done, when the GEMM programs run
+out of fixed-stride tiles, who takes the counter tiles, when the last program ends. With
+``--gpu-events``, rank 0 also lists every
 kernel and memory copy of three whole ops (torch.profiler: stream, start, duration), which shows what
 runs concurrently with the GEMM (broadcast mode's copies: copy engine or SMs, overlapped or not).
 
