@@ -141,10 +141,6 @@ class SymmBackend:
         own = send_weight_S.index_select(0, pos.clamp(0, send_weight_S.numel() - 1))
         return torch.where(src == ws.rank, own, peer)
 
-    def _valid_rows(self, plan: SymmPlan) -> Tensor:
-        rows = torch.arange(plan.ws.pool_rows, device=plan.layout.expert_start_G1.device, dtype=torch.int32)
-        return rows < plan.layout.expert_start_G1[-1]
-
     def stage1_forward(
         self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: SymmPlan
     ) -> tuple[Tensor, Tensor, None]:
@@ -176,7 +172,7 @@ class SymmBackend:
         else:
             weights = ws.view("pool_weight")
         weights = weights.to(topk_weights_TK.dtype)
-        weights = torch.where(self._valid_rows(plan), weights, torch.zeros_like(weights))
+        weights = torch.where(plan.recv.row_is_valid_R(), weights, torch.zeros_like(weights))
         launch.check(ws)
         return h, weights, None  # no activation: stage 2 runs the SwiGLU pass
 
