@@ -20,6 +20,7 @@ from megamoe.backends.triton.configs import gemm_config, num_programs, wgrad_con
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
 from megamoe.backends.triton.padding import zero_padding_rows
 from megamoe.backends.triton.routing import RoutingPlan
+from megamoe.backends.triton.side_gather import RowGather
 from megamoe.backends.triton.swiglu import swiglu_backward, swiglu_forward
 from megamoe.backends.triton.wgrad import grouped_wgrad
 
@@ -163,9 +164,9 @@ def gemm2_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Return ``(dh [R, 2I], d_dispatch_weights [R], dW2 [G, H, I])`` (dW2 empty unless asked for).
 
-    ``dy`` is gathered into expert order once (GEMM2-dgrad's A and dW2's P); ``da = dy W2`` by the
-    grouped GEMM; one SwiGLU-backward pass gives ``dh``, ``w * a`` and the routing-weight gradient
-    ``<da, a>``; then the K-grouped ``dW2 = dy^T (w * a)``.
+    ``da = dy[row_token] W2`` by the grouped GEMM, ``dy`` rows gathered in its loads; one
+    SwiGLU-backward pass gives ``dh``, ``w * a`` and the routing-weight gradient ``<da, a>``; then the
+    K-grouped ``dW2 = dy_sorted^T (w * a)``, its TMA-fed ``dy_sorted`` gathered beside the dgrad.
     """
     G, _, inter = w2_GHI.shape
     T = dy_TH.shape[0]
@@ -176,15 +177,32 @@ def gemm2_backward(
     dw2 = torch.empty_like(w2_GHI) if need_dw2 else w2_GHI.new_empty(0)
     if R == 0:
         return dh, d_weights.to(dispatch_weights_R.dtype), dw2.zero_()
-    dy_RH = dy_TH.index_select(0, row_token_R)
+    dy_gather = RowGather(dy_TH, row_token_R) if need_dw2 else None
     da = h_R2I.new_empty(R, inter)
     cfg = gemm_config("dgrad2", h_R2I.device)
-    grouped_gemm(dy_RH, w2_GHI, da, plan, a_mode=0, b_kn=True, config=cfg, num_sms=num_programs(h_R2I.device))
+    grouped_gemm(
+        dy_TH,
+        w2_GHI,
+        da,
+        plan,
+        a_mode=1,
+        b_kn=True,
+        config=cfg,
+        num_sms=num_programs(h_R2I.device),
+        a_rows=row_token_R,
+    )
+    if dy_gather is not None:
+        dy_gather.start()  # dW2's operand, gathered while the dgrad runs
     aw = h_R2I.new_empty(R, inter)
     swiglu_backward(h_R2I, da, dispatch_weights_R, dh, aw, d_weights, expert_start_G1[-1:])
-    if need_dw2:
+    if dy_gather is not None:
         grouped_wgrad(
-            dy_RH, aw, dw2, plan, config=wgrad_config(h_R2I.device), num_sms=num_programs(h_R2I.device)
+            dy_gather.rows(),
+            aw,
+            dw2,
+            plan,
+            config=wgrad_config(h_R2I.device),
+            num_sms=num_programs(h_R2I.device),
         )
     return dh, d_weights.to(dispatch_weights_R.dtype), dw2
 
@@ -225,7 +243,8 @@ def gemm1_backward(
     num_tiles_1: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """Return ``(dx [T, H], dW1 [G, 2I, H])``: the dgrad ``dh @ W1`` reduced over the K slots, and the
-    K-grouped ``dW1 = dh^T x_sorted`` (the dispatch of ``x`` recomputed as a transient gather)."""
+    K-grouped ``dW1 = dh^T x_sorted`` (the dispatch of ``x`` recomputed as a transient gather that runs
+    beside the dgrad, :mod:`~megamoe.backends.triton.side_gather`)."""
     T, H = x_TH.shape
     G = w1_G2IH.shape[0]
     plan = _plan(T, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1)
@@ -234,6 +253,7 @@ def gemm1_backward(
     dw1 = torch.empty_like(w1_G2IH) if need_dw1 else w1_G2IH.new_empty(0)
     if R == 0:  # every output is written by a kernel below; with no rows they are all zero
         return dx.zero_(), dw1.zero_()
+    x_gather = RowGather(x_TH, row_token_R) if need_dw1 else None
     if need_dx:
         dx_rows = x_TH.new_empty(R, H)
         cfg = gemm_config("dgrad1", x_TH.device)
@@ -247,12 +267,15 @@ def gemm1_backward(
             config=cfg,
             num_sms=num_programs(x_TH.device),
         )
+    if x_gather is not None:
+        x_gather.start()  # dW1's operand (the dispatch recomputed), gathered while the dgrad runs
+    if need_dx:
         combine(dx_rows, slot_row_S, dx, topk=topk, weights_R=None)
         del dx_rows
-    if need_dw1:
+    if x_gather is not None:
         grouped_wgrad(
             grad_h_R2I,
-            x_TH.index_select(0, row_token_R),
+            x_gather.rows(),
             dw1,
             plan,
             config=wgrad_config(x_TH.device),

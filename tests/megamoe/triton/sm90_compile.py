@@ -240,7 +240,8 @@ LAUNCHES = {
     "gemm1: row gather + SwiGLU epilogue": _gemm("gemm1", a_mode=1, b_kn=False, swiglu=True, N=2 * I, K=H),
     "gemm1: plain row gather": _gemm("gemm1", a_mode=1, b_kn=False, swiglu=False, N=2 * I, K=H),
     "gemm2: A by TMA": _gemm("gemm2", a_mode=0, b_kn=False, swiglu=False, N=H, K=I),
-    "dgrad: A by TMA, B [K, N]": _gemm("dgrad1", a_mode=0, b_kn=True, swiglu=False, N=H, K=2 * I),
+    "dgrad1: A by TMA, B [K, N]": _gemm("dgrad1", a_mode=0, b_kn=True, swiglu=False, N=H, K=2 * I),
+    "dgrad2: row gather, B [K, N]": _gemm("dgrad2", a_mode=1, b_kn=True, swiglu=False, N=I, K=H),
     "wgrad (K-grouped)": _wgrad(H, I),
     **_small_kernels(),
     # the routing tables at each bench model's expert count (their tiles depend on it)

@@ -1,0 +1,70 @@
+"""RowGather: the backward's transient row gathers, run beside the dgrad GEMM on a side stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megamoe.backends.triton.side_gather import RowGather
+
+
+def _problem(device: str):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    src = torch.randn(300, 72, generator=g).to(device)
+    index = torch.randint(0, 300, (1000,), generator=g).to(device=device, dtype=torch.int32)
+    return src, index
+
+
+def test_rows_are_the_gather_on_cpu() -> None:
+    src, index = _problem("cpu")
+    gather = RowGather(src, index)
+    gather.start()
+    assert torch.equal(gather.rows(), src[index.long()])
+
+
+def test_rows_before_start_is_an_error() -> None:
+    src, index = _problem("cpu")
+    with pytest.raises(RuntimeError, match="before start"):
+        RowGather(src, index).rows()
+
+
+@pytest.mark.gpu
+def test_side_stream_gather_is_ordered_against_a_busy_stream() -> None:
+    """The source is written on the current stream just before the fork and the rows are overwritten
+    just after the join: a gather that ran early (before the write) or late (after the overwrite)
+    would differ from ``src[index]``. ``torch.cuda._sleep`` keeps the current stream busy meanwhile,
+    as the dgrad GEMM does."""
+    src, index = _problem("cuda")
+    fresh = torch.empty_like(src)
+    torch.cuda._sleep(50_000_000)  # ~25 ms: the write below is still queued when the gather is enqueued
+    fresh.copy_(src)
+    gather = RowGather(fresh, index)
+    torch.cuda._sleep(50_000_000)  # the "GEMM" the gather runs beside
+    gather.start()
+    rows = gather.rows()
+    snapshot = rows.clone()  # on the current stream: after the join
+    rows.zero_()
+    assert torch.equal(snapshot, src[index.long()])
+
+
+@pytest.mark.gpu
+def test_side_stream_gather_captures_in_a_cuda_graph() -> None:
+    src, index = _problem("cuda")
+    static_src = src.clone()
+    out = torch.empty(index.numel(), src.shape[1], device="cuda")
+
+    def step() -> None:
+        gather = RowGather(static_src, index)
+        torch.cuda._sleep(1_000_000)
+        gather.start()
+        out.copy_(gather.rows() * 2)
+
+    step()  # warm-up outside the capture (creates the side stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    static_src.copy_(src + 1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, (src + 1)[index.long()] * 2)
