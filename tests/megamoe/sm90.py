@@ -20,10 +20,10 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper block may use
 
 def assert_compiles_for_sm90(
     module: str, known_spills: dict[str, int] | None = None, pipelined: tuple[str, ...] = ()
-) -> None:
+) -> dict:
     """Run ``python -m module`` and check every launch compiled, within shared memory, spilling no more
     than ``known_spills`` (bytes by launch name; none for the others), and the ``pipelined`` launches
-    keep gathered loads in flight across their MMAs."""
+    keep gathered loads in flight across their MMAs. Returns the report (launch name: its result)."""
     known_spills = known_spills or {}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
@@ -40,3 +40,4 @@ def assert_compiles_for_sm90(
         assert report[launch]["cp_async_in_flight"] >= 1, (
             f"{launch}: gathered loads not pipelined: {report[launch]}"
         )
+    return report

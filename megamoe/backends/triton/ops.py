@@ -174,9 +174,9 @@ def gemm2_backward(
     R = h_R2I.shape[0]
     dh = h_R2I.new_empty(R, 2 * inter)
     d_weights = torch.empty(R, dtype=torch.float32, device=h_R2I.device)
-    dw2 = torch.empty_like(w2_GHI) if need_dw2 else w2_GHI.new_empty(0)
+    dw2 = w2_GHI.new_empty(0)
     if R == 0:
-        return dh, d_weights.to(dispatch_weights_R.dtype), dw2.zero_()
+        return dh, d_weights.to(dispatch_weights_R.dtype), torch.zeros_like(w2_GHI) if need_dw2 else dw2
     dy_gather = RowGather(dy_TH, row_token_R) if need_dw2 else None
     da = h_R2I.new_empty(R, inter)
     cfg = gemm_config("dgrad2", h_R2I.device)
@@ -195,7 +195,9 @@ def gemm2_backward(
         dy_gather.start()  # dW2's operand, gathered while the dgrad runs
     aw = h_R2I.new_empty(R, inter)
     swiglu_backward(h_R2I, da, dispatch_weights_R, dh, aw, d_weights, expert_start_G1[-1:])
+    del da
     if dy_gather is not None:
+        dw2 = torch.empty_like(w2_GHI)  # allocated once da is free: less at the peak
         grouped_wgrad(
             dy_gather.rows(),
             aw,
@@ -250,9 +252,9 @@ def gemm1_backward(
     plan = _plan(T, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1)
     R = grad_h_R2I.shape[0]
     dx = x_TH.new_empty(T, H) if need_dx else x_TH.new_empty(0)
-    dw1 = torch.empty_like(w1_G2IH) if need_dw1 else w1_G2IH.new_empty(0)
+    dw1 = w1_G2IH.new_empty(0)
     if R == 0:  # every output is written by a kernel below; with no rows they are all zero
-        return dx.zero_(), dw1.zero_()
+        return dx.zero_(), torch.zeros_like(w1_G2IH) if need_dw1 else dw1
     x_gather = RowGather(x_TH, row_token_R) if need_dw1 else None
     if need_dx:
         dx_rows = x_TH.new_empty(R, H)
@@ -273,6 +275,8 @@ def gemm1_backward(
         combine(dx_rows, slot_row_S, dx, topk=topk, weights_R=None)
         del dx_rows
     if x_gather is not None:
+        # allocated once dx_rows is free, so the gathered x (alive beside dx_rows) adds nothing to the peak
+        dw1 = torch.empty_like(w1_G2IH)
         grouped_wgrad(
             grad_h_R2I,
             x_gather.rows(),

@@ -3,9 +3,13 @@
 Backward needs ``x`` and ``dy`` in expert order for the TMA-fed weight gradients (row-gathered
 operands cost the wgrad a third of its speed, docs/kernels.md). Each gather is memory-bound (0.45 ms
 at DeepSeek-V3's per-rank shape on an H200), while the grouped GEMM before the wgrad is
-compute-bound and persistent: one program per SM, with registers, warp slots and DRAM bandwidth to
-spare. Launched on a side stream right after that GEMM, the gather's blocks run in those gaps, and
-the wgrad waits for it only when it needs the rows.
+compute-bound and persistent: one program per SM holding ~54K of the SM's 64K registers and ~180 KB
+of its shared memory, with warp slots and DRAM bandwidth to spare. The gather here is persistent
+too, and small enough to fit beside it: one 4-warp program per SM, no shared memory, at most
+``GATHER_MAX_REGISTERS`` a thread (checked by the sm_90a compile test). Launched on a side stream
+around the GEMM's launch, it runs in those gaps in whichever order the hardware starts the two.
+torch's ``index_select`` does not: its thousands of blocks, started first, fill every SM and the GEMM
+waits for all of them (measured on an H200).
 
 Usage, all inside one op (every gather started is joined before the op returns, so nothing the side
 stream reads or writes outlives the op's stream order)::
@@ -16,7 +20,7 @@ stream reads or writes outlives the op's stream order)::
     ...
     rows_RH = gather.rows()               # this stream waits for the side stream
 
-Off CUDA (the CPU interpreter) the gather runs at ``start()`` on the only stream there is.
+Off CUDA (the CPU interpreter) everything runs in order on the one stream there is.
 """
 
 from __future__ import annotations
@@ -24,7 +28,50 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
+
+from megamoe.backends.triton.configs import num_programs
+
+BLOCK_R = 8  # rows per step: 8 x 1024 bf16 is 128 bytes (eight 16-byte loads) in flight per thread
+BLOCK_H = 1024
+NUM_WARPS = 4
+GATHER_MAX_REGISTERS = 88  # 64K - the GEMM's 256 threads x 212 registers, over 128 threads
+
+
+@triton.jit
+def _gather_rows_kernel(
+    src_ptr,
+    index_ptr,
+    out_ptr,
+    R,
+    H,
+    num_programs,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``out[r] = src[index[r]]`` for every ``r < R``, rows in blocks of ``BLOCK_R`` over a persistent grid."""
+    for block in range(tl.program_id(0), tl.cdiv(R, BLOCK_R), num_programs):
+        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        src_row = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            mask = row_ok[:, None] & (cols < H)[None, :]
+            v = tl.load(src_ptr + src_row[:, None] * H + cols[None, :], mask=mask)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v, mask=mask)
+
+
+def gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor) -> None:
+    """``out_RH = src_TH[index_R]`` (contiguous rows, ``index_R`` int32 in ``[0, T)``), one program per SM."""
+    R, H = out_RH.shape
+    if R == 0 or H == 0:
+        return
+    grid = min(num_programs(src_TH.device), triton.cdiv(R, BLOCK_R))
+    _gather_rows_kernel[(grid,)](
+        src_TH, index_R, out_RH, R, H, grid, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS
+    )
 
 
 @functools.cache
@@ -36,7 +83,7 @@ class RowGather:
     """``src[index]`` gathered on a side stream between :meth:`start` and :meth:`rows`."""
 
     def __init__(self, src_TH: Tensor, index_R: Tensor) -> None:
-        self._src, self._index = src_TH, index_R
+        self._src, self._index = src_TH.contiguous(), index_R
         # allocated on the current stream, which frees it after the consumer: no record_stream needed
         self._out = src_TH.new_empty(index_R.numel(), src_TH.shape[1])
         self._side: torch.cuda.Stream | None = None
@@ -50,10 +97,10 @@ class RowGather:
     def start(self) -> None:
         """Enqueue the gather (on the side stream on CUDA): call it right after the GEMM's launch."""
         if self._side is None:
-            torch.index_select(self._src, 0, self._index, out=self._out)
+            gather_rows(self._src, self._index, self._out)
         else:
             with torch.cuda.stream(self._side):
-                torch.index_select(self._src, 0, self._index, out=self._out)
+                gather_rows(self._src, self._index, self._out)
         self._started = True
 
     def rows(self) -> Tensor:

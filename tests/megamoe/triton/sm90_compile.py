@@ -41,6 +41,10 @@ from megamoe.backends.triton.routing import (
     _scatter_kernel,
     _totals_kernel,
 )
+from megamoe.backends.triton.side_gather import BLOCK_H as GATHER_BLOCK_H
+from megamoe.backends.triton.side_gather import BLOCK_R as GATHER_BLOCK_R
+from megamoe.backends.triton.side_gather import NUM_WARPS as GATHER_WARPS
+from megamoe.backends.triton.side_gather import _gather_rows_kernel
 from megamoe.backends.triton.swiglu import _swiglu_backward_kernel, _swiglu_forward_kernel
 from megamoe.backends.triton.wgrad import _wgrad_kernel
 from megamoe.bench import MODELS
@@ -208,8 +212,8 @@ def _routing(experts: int) -> dict:
 
 
 def _small_kernels() -> dict:
-    """swiglu.swiglu_forward/backward, combine.combine (weighted: GEMM2; not: the dgrad's dx) and
-    padding.zero_padding_rows, as they launch on CUDA."""
+    """side_gather.gather_rows, swiglu.swiglu_forward/backward, combine.combine (weighted: GEMM2; not:
+    the dgrad's dx) and padding.zero_padding_rows, as they launch on CUDA."""
     block_r, block_i = _swiglu_blocks(I)
     block_h = min(triton.next_power_of_2(H), 2048)
     forward = dict(h_ptr="*bf16", a_ptr="*bf16", valid_ptr="*i32", I=I, BLOCK_R=block_r, BLOCK_I=block_i)
@@ -221,7 +225,12 @@ def _small_kernels() -> dict:
         out_ptr="*bf16", valid_rows_ptr="*i32", R=R, N=2 * I, BLOCK_R=32,
         BLOCK_N=min(triton.next_power_of_2(2 * I), 256),
     )  # fmt: skip
+    gather = dict(
+        src_ptr="*bf16", index_ptr="*i32", out_ptr="*bf16", R=R, H=H, num_programs=NUM_SMS,
+        BLOCK_R=GATHER_BLOCK_R, BLOCK_H=GATHER_BLOCK_H,
+    )  # fmt: skip
     launches = {
+        "row gather beside a GEMM": (_gather_rows_kernel, gather, {"num_warps": GATHER_WARPS}),
         "swiglu forward": (_swiglu_forward_kernel, forward, {}),
         "swiglu backward": (_swiglu_backward_kernel, backward, {}),
         "zero padding rows": (_zero_padding_rows_kernel, padding, {}),

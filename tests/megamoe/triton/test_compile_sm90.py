@@ -10,6 +10,7 @@ runs in a fresh process because ``TRITON_INTERPRET=1`` (set for the other CPU te
 
 from __future__ import annotations
 
+from megamoe.backends.triton.side_gather import GATHER_MAX_REGISTERS
 from tests.megamoe.sm90 import assert_compiles_for_sm90
 
 # ptxas's spill bytes today: the offsets kernel's tile-table chunks are [CHUNK, BINS] int32 tiles
@@ -21,4 +22,8 @@ PIPELINED = ("gemm1: row gather + SwiGLU epilogue", "gemm1: plain row gather", "
 
 
 def test_every_launch_compiles_for_sm90_without_spills() -> None:
-    assert_compiles_for_sm90("tests.megamoe.triton.sm90_compile", KNOWN_SPILLS, PIPELINED)
+    report = assert_compiles_for_sm90("tests.megamoe.triton.sm90_compile", KNOWN_SPILLS, PIPELINED)
+    # the backward's side gather must fit on an SM beside a persistent GEMM program (side_gather.py)
+    gather, gemm = report["row gather beside a GEMM"], report["dgrad2: row gather, B [K, N]"]
+    assert gather["registers"] <= GATHER_MAX_REGISTERS, gather
+    assert gather["shared"] + gemm["shared"] <= 227 * 1024, (gather, gemm)

@@ -8,15 +8,18 @@ import torch
 from megamoe.backends.triton.side_gather import RowGather
 
 
-def _problem(device: str):
+def _problem(device: str, rows: int = 1001, hidden: int = 72):
+    """A ragged last row block (1001 rows) and, at hidden 1100, a ragged second column chunk."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    src = torch.randn(300, 72, generator=g).to(device)
-    index = torch.randint(0, 300, (1000,), generator=g).to(device=device, dtype=torch.int32)
+    src = torch.randn(300, hidden, generator=g).to(device)
+    index = torch.randint(0, 300, (rows,), generator=g).to(device=device, dtype=torch.int32)
     return src, index
 
 
-def test_rows_are_the_gather_on_cpu() -> None:
-    src, index = _problem("cpu")
+@pytest.mark.parametrize(("rows", "hidden"), [(1001, 72), (37, 1100), (0, 72)])
+def test_rows_are_the_gather_on_cpu(rows: int, hidden: int) -> None:
+    """The Triton kernel (interpreted) against torch's gather."""
+    src, index = _problem("cpu", rows, hidden)
     gather = RowGather(src, index)
     gather.start()
     assert torch.equal(gather.rows(), src[index.long()])
