@@ -59,8 +59,12 @@ def _gather_rows_kernel(
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             mask = row_ok[:, None] & (cols < H)[None, :]
-            v = tl.load(src_ptr + src_row[:, None] * H + cols[None, :], mask=mask)
-            tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v, mask=mask)
+            # streamed through L2 (evict first): the GEMM beside it keeps its reused tiles there
+            v = tl.load(
+                src_ptr + src_row[:, None] * H + cols[None, :], mask=mask, eviction_policy="evict_first"
+            )
+            out = out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :]
+            tl.store(out, v, mask=mask, eviction_policy="evict_first")
 
 
 def gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor) -> None:
