@@ -161,7 +161,8 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
 
     ``dispatch_grouped_gemm``: the ops that dispatch rows (forward stage 1, backward dy dispatch);
     ``grouped_gemm_combine``: the ops that combine rows (forward stage 2, backward dx) and the wgrads.
-    Every op that moves rows to the experts is timed with push and with pull dispatch.
+    Every op that moves rows to the experts is timed with push, pull and (when the workspace has its
+    regions) broadcast dispatch.
     """
     from megamoe.backends.exchange import TokenExchange, _all_to_all
     from megamoe.backends.symm import launch
@@ -239,12 +240,26 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
         gemm("gemm2", a, w2, False, out_RN=local_h, row_scale_R=wts.float())
         combine(local_h, s.slot_row_S, y, topk=s.topk, weights_R=None)
 
+    def broadcast() -> bool:
+        return launch.dispatch_mode(ws.world) == "broadcast"
+
+    def bwd2_broadcast(num_tiles_1):  # copies, dgrad tiles gathering them, the pool filled beside
+        sb._begin(plan)
+        sb._broadcast_dgrad(
+            plan, dy, gather_pool=True, op="dgrad2", a_RK=pool, b=w2, b_kn=True, tiles_X3=lay.tiles_X3,
+            num_tiles_1=num_tiles_1, out_RN=da, wait=True, local_rows=lay, broadcast=(dy, s.row_token_R),
+        )  # fmt: skip
+
     def bwd2_full():
+        if broadcast():
+            return bwd2_broadcast(lay.num_tiles_1)
         d = sb._dispatch(plan, dy)
         sb._begin(plan, d)
         gemm("dgrad2", pool, w2, True, out_RN=da, push=d, wait=True)
 
     def bwd2_comm():
+        if broadcast():
+            return bwd2_broadcast(no_tiles)
         d = sb._dispatch(plan, dy)
         sb._begin(plan, d)
         gemm("dgrad2", pool, w2, True, num_tiles_1=no_tiles, out_RN=da, push=d)
@@ -252,19 +267,25 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     def bwd2_gemm():
         gemm("dgrad2", pool, w2, True, out_RN=da)
 
-    def bwd1_full():
-        d = sb._dispatch(plan, x)
-        sb._begin(plan, d)
-        gemm("dgrad1", dh, w1, True, push=d, remote=remote_scalar)
+    def bwd1(skip_mma: bool):
+        if broadcast():  # x copied to the peers, the pool filled beside the dgrad
+            sb._begin(plan)
+            sb._broadcast_dgrad(
+                plan, x, gather_pool=True, op="dgrad1", a_RK=dh, b=w1, b_kn=True, tiles_X3=lay.tiles_X3,
+                num_tiles_1=lay.num_tiles_1, remote=remote_scalar, skip_mma=skip_mma,
+            )  # fmt: skip
+        else:
+            d = sb._dispatch(plan, x)
+            sb._begin(plan, d)
+            gemm("dgrad1", dh, w1, True, push=d, remote=remote_scalar, skip_mma=skip_mma)
         launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
         combine(ws.view("combine"), s.slot_row_S, y, topk=s.topk, weights_R=None)
 
+    def bwd1_full():
+        bwd1(skip_mma=False)
+
     def bwd1_comm():
-        d = sb._dispatch(plan, x)
-        sb._begin(plan, d)
-        gemm("dgrad1", dh, w1, True, push=d, remote=remote_scalar, skip_mma=True)
-        launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
-        combine(ws.view("combine"), s.slot_row_S, y, topk=s.topk, weights_R=None)
+        bwd1(skip_mma=True)
 
     def bwd1_gemm():
         gemm("dgrad1", dh, w1, True, out_RN=local_h)
@@ -300,15 +321,13 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     ]
     results = []
     ops = dispatch_ops if mode == "dispatch_grouped_gemm" else combine_ops
-    # every op that moves rows to the experts, each way; broadcast (stage 1 forward only) when the
-    # workspace was allocated for it (broadcast mode when it was built: the default at EP = 2)
+    # every op that moves rows to the experts, each way; broadcast when the workspace was allocated
+    # for it (broadcast mode when it was built: the default at EP = 2)
     modes = [m for m in launch.DISPATCH_MODES if m != "broadcast" or ws.shapes["bcast_x"][0][0]]
     chosen = os.environ.get("MEGAMOE_SYMM_DISPATCH")
     for dispatch in modes:
         os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
         for stage, full, comm, gemm_leg, serial in ops:
-            if dispatch == "broadcast" and not stage.startswith("fwd: dispatch"):
-                continue
             if "dispatch" not in stage:
                 if dispatch != "push":
                     continue

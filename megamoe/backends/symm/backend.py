@@ -5,8 +5,10 @@ static row count of every per-row tensor on the expert side; rows past ``expert_
 
 Each op starts with :func:`~.launch.begin_op` (epoch + barrier), then (push mode; in pull mode,
 ``MEGAMOE_SYMM_DISPATCH=pull``, each rank stages its rows before the barrier and the destination's
-comm programs read them; in broadcast mode, the default at EP = 2, stage 1's forward copies x to
-every peer with the copy engines instead, :func:`~.launch.dispatch_mode`)::
+comm programs read them; in broadcast mode, the default at EP = 2, every op that moves rows copies
+x or dy whole to every peer with the copy engines instead and the GEMM tiles gather their rows from
+those copies; in backward a 4-warp kernel beside the dgrad fills the pool from them for the wgrad,
+:func:`~.launch.dispatch_mode`)::
 
     stage 1 fwd   [exchange counts] -> layout -> push x rows + weights | GEMM1 tiles (own rows first,
                   they wait for nothing) wait per expert -> h
@@ -33,6 +35,7 @@ from megamoe.backends.symm.workspace import COUNTER_COMBINE, COUNTER_POOL, SymmW
 from megamoe.backends.triton.combine import combine
 from megamoe.backends.triton.configs import block_m, num_programs, wgrad_config
 from megamoe.backends.triton.routing import RoutingPlan, build_routing_plan
+from megamoe.backends.triton.side_gather import GEMM_REGISTER_CAP
 from megamoe.backends.triton.swiglu import swiglu_backward, swiglu_forward
 from megamoe.backends.triton.wgrad import grouped_wgrad
 
@@ -141,6 +144,17 @@ class SymmBackend:
         own = send_weight_S.index_select(0, pos.clamp(0, send_weight_S.numel() - 1))
         return torch.where(src == ws.rank, own, peer)
 
+    def _broadcast_dgrad(self, plan: SymmPlan, src_TH: Tensor, *, gather_pool: bool, **gemm) -> None:
+        """Broadcast mode's backward op after its barrier: copy ``src_TH`` (``dy`` or ``x``) to every
+        peer (copy engines), launch the dgrad kernel ``gemm``, and, for the wgrad, fill the pool from
+        the copies beside it (:func:`~.launch.gather_broadcast_rows`); joined before returning."""
+        ws, s = plan.ws, plan.send
+        launch.broadcast_rows(ws, src_TH, s.row_token_R)
+        launch.fused_gemm(ws, max_registers=GEMM_REGISTER_CAP if gather_pool else None, **gemm)
+        if gather_pool:
+            launch.gather_broadcast_rows(ws, plan.layout, src_TH, s.row_token_R)
+        launch.join_broadcast(ws)
+
     def stage1_forward(
         self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: SymmPlan
     ) -> tuple[Tensor, Tensor, None]:
@@ -210,26 +224,25 @@ class SymmBackend:
         needs_grad: tuple[bool, bool, bool],
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         need_dh, need_dweights, need_dw2 = needs_grad
-        ws, lay = plan.ws, plan.layout
-        dispatch = self._dispatch(plan, dy_TH.to(h_R2I.dtype).contiguous())
-        self._begin(plan, dispatch)
+        ws, lay, s = plan.ws, plan.layout, plan.send
+        dy = dy_TH.to(h_R2I.dtype).contiguous()
         inter = w2_GHI.shape[2]
         P = h_R2I.shape[0]
         dy_pool = ws.view("pool")
         da = h_R2I.new_empty(P, inter)
         w2 = w2_GHI.contiguous()
-        launch.fused_gemm(
-            ws,
-            op="dgrad2",
-            a_RK=dy_pool,
-            b=w2,
-            b_kn=True,
-            tiles_X3=lay.tiles_X3,
-            num_tiles_1=lay.num_tiles_1,
-            out_RN=da,
-            push=dispatch,
-            wait=True,
-        )
+        gemm = dict(op="dgrad2", a_RK=dy_pool, b=w2, b_kn=True, tiles_X3=lay.tiles_X3,
+                    num_tiles_1=lay.num_tiles_1, out_RN=da, wait=True)  # fmt: skip
+        if launch.dispatch_mode(ws.world) == "broadcast":
+            self._begin(plan)
+            # every rank copies dy whatever it needs (a peer may wait for it); the pool only for dW2
+            self._broadcast_dgrad(
+                plan, dy, gather_pool=need_dw2, local_rows=lay, broadcast=(dy, s.row_token_R), **gemm
+            )
+        else:
+            dispatch = self._dispatch(plan, dy)
+            self._begin(plan, dispatch)
+            launch.fused_gemm(ws, push=dispatch, **gemm)
         dh = h_R2I.new_empty(P, 2 * inter)
         aw = h_R2I.new_empty(P, inter)
         d_weights = torch.empty(P, dtype=torch.float32, device=h_R2I.device)
@@ -260,22 +273,18 @@ class SymmBackend:
         need_dx, need_dweights, need_dw1 = needs_grad
         ws, lay, s = plan.ws, plan.layout, plan.send
         x = x_TH.contiguous()
-        dispatch = self._dispatch(plan, x)
-        self._begin(plan, dispatch)
         w1 = w1_G2IH.contiguous()
-        launch.fused_gemm(
-            ws,
-            op="dgrad1",
-            a_RK=grad_h_R2I.contiguous(),
-            b=w1,
-            b_kn=True,
-            tiles_X3=lay.tiles_X3,
-            num_tiles_1=lay.num_tiles_1,
-            push=dispatch,
-            remote=launch.RemoteOut(
-                lay.row_src_R, lay.row_pos_R, grad_dispatch_weights_R.float().contiguous()
-            ),
-        )
+        remote = launch.RemoteOut(lay.row_src_R, lay.row_pos_R, grad_dispatch_weights_R.float().contiguous())
+        gemm = dict(op="dgrad1", a_RK=grad_h_R2I.contiguous(), b=w1, b_kn=True, tiles_X3=lay.tiles_X3,
+                    num_tiles_1=lay.num_tiles_1, remote=remote)  # fmt: skip
+        broadcast = launch.dispatch_mode(ws.world) == "broadcast"
+        if broadcast:  # x again, for dW1: copied to every peer, the pool filled beside the dgrad
+            self._begin(plan)
+            self._broadcast_dgrad(plan, x, gather_pool=need_dw1, **gemm)
+        else:  # x again, for dW1: pushed into the pools by the dgrad kernel's comm role
+            dispatch = self._dispatch(plan, x)
+            self._begin(plan, dispatch)
+            launch.fused_gemm(ws, push=dispatch, **gemm)
         launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
         dx = d_weights = dw1 = None
         if need_dx:
@@ -284,7 +293,8 @@ class SymmBackend:
         if need_dweights:
             d_weights = s.slot_values_TK(ws.view("combine_scalar")).to(grad_dispatch_weights_R.dtype)
         if need_dw1:
-            launch.wait_flags(ws, "pool_ready", COUNTER_POOL)
+            if not broadcast:  # (broadcast: the pool gather waited and was joined)
+                launch.wait_flags(ws, "pool_ready", COUNTER_POOL)
             dw1 = torch.empty_like(w1)
             dev = x.device
             grouped_wgrad(

@@ -208,6 +208,41 @@ def _signal_ready_kernel(ptrs_dev, state_ptr, pool_ready_ptr, rank, world, G, BL
                 )
 
 
+@triton.jit(
+    do_not_specialize=["rank", "world", "G", "stage_rows", "stage_slots", "num_programs", "max_spins"]
+)
+def _gather_broadcast_rows_kernel(
+    src_ptr, send_token_ptr, bcast_x_ptr, bcast_tok_ptr, row_src_ptr, row_pos_ptr, expert_start_ptr,
+    pool_ptr, state_ptr, pool_ready_ptr, rank, world, G, H, stage_rows, stage_slots, num_programs,
+    max_spins, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Broadcast mode's backward, beside the dgrad kernel: fill the pool (the wgrad's TMA-read rows)
+    from this rank's own rows (``src`` by token) and the peers' copies, once every peer released its
+    copy (``pool_ready[s, 0]``: its signal kernel releases all of ``pool_ready[s, *]`` together)."""
+    epoch = tl.load(state_ptr)
+    for s in range(world):
+        if s != rank:
+            _spin_until(pool_ready_ptr + s * G, epoch, state_ptr, rank, _POOL, s * G, max_spins)
+    valid = tl.load(expert_start_ptr + G)
+    for block in range(tl.program_id(0), tl.cdiv(valid, BLOCK_R), num_programs):
+        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = rows < valid
+        src = tl.load(row_src_ptr + rows, mask=ok, other=0)
+        pos = tl.load(row_pos_ptr + rows, mask=ok, other=0)
+        own, peer = ok & (src == rank), ok & (src != rank)
+        token = tl.load(send_token_ptr + pos, mask=own, other=0).to(tl.int64)
+        peer_token = tl.load(bcast_tok_ptr + src * stage_slots + pos, mask=peer, other=0).to(tl.int64)
+        peer_row = src.to(tl.int64) * stage_rows + peer_token
+        from_ptrs = tl.where(own, src_ptr + token * H, bcast_x_ptr + peer_row * H)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            mask = ok[:, None] & (cols < H)[None, :]
+            # streamed through L2 (evict first): the dgrad GEMM beside it keeps its tiles there
+            v = tl.load(from_ptrs[:, None] + cols[None, :], mask=mask, eviction_policy="evict_first")
+            to_ptrs = pool_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :]
+            tl.store(to_ptrs, v, mask=mask, eviction_policy="evict_first")
+
+
 @triton.jit
 def _peer(local_ptr, bases, rank, r):
     """``local_ptr`` moved into rank ``r``'s copy of the workspace.

@@ -15,12 +15,16 @@ from megamoe.backends.symm.kernels import (
     TRACE_SLOTS,
     _barrier_kernel,
     _fused_kernel,
+    _gather_broadcast_rows_kernel,
     _signal_ready_kernel,
     _wait_kernel,
 )
 from megamoe.backends.symm.layout import SymmLayout
 from megamoe.backends.symm.workspace import SymmWorkspace, debug_enabled
 from megamoe.backends.triton.configs import gemm_config, num_programs
+from megamoe.backends.triton.side_gather import BLOCK_H as GATHER_BLOCK_H
+from megamoe.backends.triton.side_gather import BLOCK_R as GATHER_BLOCK_R
+from megamoe.backends.triton.side_gather import NUM_WARPS as GATHER_WARPS
 from megamoe.errors import InvalidConfigError
 
 _FOREVER = 2**31 - 1
@@ -148,9 +152,11 @@ def stage_for_pull(
         ws.view("stage_weight").index_copy_(0, slots, send_weight_S)
 
 
-def broadcast_rows(ws: SymmWorkspace, x_TH: Tensor, send_token_S: Tensor, send_weight_S: Tensor) -> None:
-    """Broadcast mode, after the op's barrier: copy this rank's ``x``, send-order tokens and routing
-    weights into every peer's workspace, then release ``pool_ready[me, *]`` there.
+def broadcast_rows(
+    ws: SymmWorkspace, x_TH: Tensor, send_token_S: Tensor, send_weight_S: Tensor | None = None
+) -> None:
+    """Broadcast mode, after the op's barrier: copy this rank's ``x`` (or ``dy``), send-order tokens
+    [and routing weights] into every peer's workspace, then release ``pool_ready[me, *]`` there.
 
     On CUDA the copies run on a side stream (``copy_`` between device buffers: the copy engines, no
     SM) while the GEMM runs; :func:`join_broadcast` joins it back after the GEMM's launch.
@@ -171,7 +177,8 @@ def broadcast_rows(ws: SymmWorkspace, x_TH: Tensor, send_token_S: Tensor, send_w
             if d != me:
                 ws.peer_view(d, "bcast_x")[rows].copy_(x_TH)
                 ws.peer_view(d, "bcast_token")[slots].copy_(send_token_S)
-                ws.peer_view(d, "bcast_weight")[slots].copy_(send_weight_S)
+                if send_weight_S is not None:
+                    ws.peer_view(d, "bcast_weight")[slots].copy_(send_weight_S)
         G = ws.num_local_experts
         _signal_ready_kernel[(1,)](
             ws.ptrs_dev, ws.state, ws.view("pool_ready"), me, ws.world, G,
@@ -189,7 +196,40 @@ def broadcast_rows(ws: SymmWorkspace, x_TH: Tensor, send_token_S: Tensor, send_w
         copies_then_signal()
     if not torch.cuda.is_current_stream_capturing():  # a captured graph keeps its memory anyway
         for t in (x_TH, send_token_S, send_weight_S):
-            t.record_stream(side)
+            if t is not None:
+                t.record_stream(side)
+
+
+def gather_broadcast_rows(
+    ws: SymmWorkspace, layout: SymmLayout, src_TH: Tensor, send_token_S: Tensor
+) -> None:
+    """Broadcast mode's backward: fill this rank's pool with its rows in pool order (the wgrad's
+    operand, read by TMA) from its own ``src_TH`` and the peers' copies, once they are released.
+
+    Call it right after the dgrad kernel's launch: on CUDA it runs on :func:`broadcast_rows`' side
+    stream, after this rank's own copies, in the SM room the persistent GEMM leaves (one 4-warp
+    program per SM, as :mod:`megamoe.backends.triton.side_gather`); :func:`join_broadcast` joins it.
+    """
+    G = ws.num_local_experts
+
+    def gather() -> None:
+        pool = ws.view("pool")
+        grid = num_programs(pool.device)
+        _gather_broadcast_rows_kernel[(grid,)](
+            src_TH, send_token_S, ws.view("bcast_x"), ws.view("bcast_token"), layout.row_src_R,
+            layout.row_pos_R, layout.expert_start_G1, pool, ws.state, ws.view("pool_ready"), ws.rank,
+            ws.world, G, src_TH.shape[1], ws.max_tokens, ws.max_tokens * ws.key.topk, grid, max_spins(),
+            BLOCK_R=GATHER_BLOCK_R, BLOCK_H=GATHER_BLOCK_H, num_warps=GATHER_WARPS,
+        )  # fmt: skip
+
+    if ws.side_stream is None:  # the CPU: in order, after the GEMM
+        gather()
+        return
+    with torch.cuda.stream(ws.side_stream):
+        gather()
+    if not torch.cuda.is_current_stream_capturing():
+        for t in (src_TH, send_token_S):
+            t.record_stream(ws.side_stream)
 
 
 def join_broadcast(ws: SymmWorkspace) -> None:
@@ -225,6 +265,7 @@ def fused_gemm(
     num_comm: int | None = None,
     local_rows: SymmLayout | None = None,
     broadcast: tuple[Tensor, Tensor] | None = None,
+    max_registers: int | None = None,
 ) -> None:
     """One launch of the fused kernel: optional row push, grouped GEMM ``A @ B[expert]``, local or remote out.
 
@@ -235,6 +276,7 @@ def fused_gemm(
     and the layout's first ``num_local_tiles`` tiles, which hold only those, wait for nothing.
     ``broadcast`` (broadcast mode, with ``local_rows`` and ``wait``): ``(x, send tokens)``; own rows from
     ``x``, a peer's from its copy in the workspace (:func:`broadcast_rows`), no comm role.
+    ``max_registers``: ptxas's cap per thread (``maxnreg``), to leave room for a kernel beside it.
     """
     if wait and push is None and broadcast is None:
         raise ValueError("wait=True waits for rows a comm role pushes or a broadcast copies: pass push=")
@@ -328,6 +370,7 @@ def fused_gemm(
         COPY_COLS=512,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        maxnreg=max_registers,
         trace_ptr=_trace_buffer(ws, grid),
         TRACE=tracing(),
     )

@@ -3,10 +3,11 @@
 Backward needs ``x`` and ``dy`` in expert order for the TMA-fed weight gradients (row-gathered
 operands cost the wgrad a third of its speed, docs/kernels.md). Each gather is memory-bound (0.45 ms
 at DeepSeek-V3's per-rank shape on an H200), while the grouped GEMM before the wgrad is
-compute-bound and persistent: one program per SM holding ~54K of the SM's 64K registers and ~180 KB
-of its shared memory, with warp slots and DRAM bandwidth to spare. The gather here is persistent
-too, and small enough to fit beside it: one 4-warp program per SM, no shared memory, at most
-``GATHER_MAX_REGISTERS`` a thread (checked by the sm_90a compile test). Launched on a side stream
+compute-bound and persistent: one 8-warp program per SM holding at most ``GEMM_REGISTER_CAP``
+registers a thread (56K of the SM's 64K) and ~180 KB of its shared memory, with warp slots and DRAM
+bandwidth to spare. The gather here is persistent too, and small enough to fit beside it: one 4-warp
+program per SM, no shared memory, at most ``GATHER_MAX_REGISTERS`` a thread (both checked by the
+sm_90a compile tests; a GEMM over the cap gets it as its ``maxnreg``). Launched on a side stream
 around the GEMM's launch, it runs in those gaps in whichever order the hardware starts the two.
 torch's ``index_select`` does not: its thousands of blocks, started first, fill every SM and the GEMM
 waits for all of them (measured on an H200).
@@ -37,7 +38,10 @@ from megamoe.backends.triton.configs import num_programs
 BLOCK_R = 8  # rows per step: 8 x 1024 bf16 is 128 bytes (eight 16-byte loads) in flight per thread
 BLOCK_H = 1024
 NUM_WARPS = 4
-GATHER_MAX_REGISTERS = 88  # 64K - the GEMM's 256 threads x 212 registers, over 128 threads
+GEMM_REGISTER_CAP = 224
+"""registers a thread of an 8-warp GEMM program that a gather runs beside may hold"""
+GATHER_MAX_REGISTERS = (65536 - 256 * GEMM_REGISTER_CAP) // (32 * NUM_WARPS)
+"""64: what is left of an SM's 64K registers, over the gather program's 128 threads"""
 
 
 @triton.jit

@@ -14,9 +14,13 @@ from __future__ import annotations
 import json
 import sys
 
-from megamoe.backends.symm.kernels import _fused_kernel, _signal_ready_kernel
+from megamoe.backends.symm.kernels import _fused_kernel, _gather_broadcast_rows_kernel, _signal_ready_kernel
 from megamoe.backends.symm.layout import _layout_kernel
 from megamoe.backends.triton.configs import gemm_config
+from megamoe.backends.triton.side_gather import BLOCK_H as GATHER_BLOCK_H
+from megamoe.backends.triton.side_gather import BLOCK_R as GATHER_BLOCK_R
+from megamoe.backends.triton.side_gather import GEMM_REGISTER_CAP
+from megamoe.backends.triton.side_gather import NUM_WARPS as GATHER_WARPS
 from tests.megamoe.triton.sm90_compile import CUDA, H, I, report
 
 _POINTERS = dict(
@@ -39,16 +43,26 @@ _DEFAULTS = dict(
 )  # fmt: skip
 
 
-def _launch(op: str, *, N: int, K: int, none: tuple[str, ...] = (), **constexprs) -> tuple:
-    """One ``launch.fused_gemm`` call: its arguments, with ``none`` absent."""
+def _launch(
+    op: str, *, N: int, K: int, none: tuple[str, ...] = (), maxnreg: int | None = None, **constexprs
+) -> tuple:
+    """One ``launch.fused_gemm`` call: its arguments, with ``none`` absent (``maxnreg``: its ``max_registers``)."""
     cfg = gemm_config(op, CUDA)
     meta = _DEFAULTS | constexprs | {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     box = [1, cfg["BLOCK_K"], cfg["BLOCK_N"]] if meta["B_KN"] else [1, cfg["BLOCK_N"], cfg["BLOCK_K"]]
     args = dict(_POINTERS) | {name: "i32" for name in _UNSPECIALISED} | meta
     args |= {"b_desc": f"tensordesc<bf16[{','.join(map(str, box))}]>", "H": H, "N": N, "K": K}
     args |= {"stride_a": K, "stride_c": N, **{name: None for name in none}}
-    return _fused_kernel, args, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    return _fused_kernel, args, options | ({"maxnreg": maxnreg} if maxnreg else {})
 
+
+BESIDE_GATHER = (
+    "stage2 bwd: broadcast dy (copy engines) | dgrad2 gathers peers' copies",
+    "stage1 bwd: dgrad1 + dx to sources (broadcast x: no comm role)",
+)
+"""the launches a pool gather runs beside (broadcast mode's backward), capped at GEMM_REGISTER_CAP"""
+GATHER = "bwd: pool rows from the broadcast copies, beside the dgrad"
 
 LAUNCHES = {
     "stage1 fwd: push x + GEMM1": _launch(
@@ -76,6 +90,14 @@ LAUNCHES = {
     "stage2 bwd: push dy + dgrad2": _launch(
         "dgrad2", N=I, K=H, B_KN=True, none=("row_scale_ptr", "scalar_ptr", "row_src_ptr", "row_pos_ptr")
     ),
+    BESIDE_GATHER[0]: _launch(
+        "dgrad2", N=I, K=H, B_KN=True, COMM=False, LOCAL_A=True, BCAST_A=True, bcast_x_ptr="*bf16",
+        bcast_tok_ptr="*i32", none=("row_scale_ptr", "scalar_ptr"), maxnreg=GEMM_REGISTER_CAP,
+    ),
+    BESIDE_GATHER[1]: _launch(
+        "dgrad1", N=H, K=2 * I, COMM=False, WAIT=False, B_KN=True, OUT_REMOTE=True, PUSH_SCALAR=True,
+        SIGNAL=True, none=("row_scale_ptr", "c_ptr"), maxnreg=GEMM_REGISTER_CAP,
+    ),
     "stage1 bwd: push x | dgrad1 + dx to sources": _launch(
         "dgrad1", N=H, K=2 * I, WAIT=False, B_KN=True, OUT_REMOTE=True, PUSH_SCALAR=True, SIGNAL=True,
         none=("row_scale_ptr", "c_ptr"),
@@ -83,7 +105,9 @@ LAUNCHES = {
 }  # fmt: skip
 
 
-PIPELINED = [name for name, (kernel, args, _) in LAUNCHES.items() if not args["SKIP_MMA"]]
+PIPELINED = [
+    name for name, (kernel, args, _) in LAUNCHES.items() if kernel is _fused_kernel and not args["SKIP_MMA"]
+]
 """launches whose gathered A loads must stay in flight across MMAs (``cp_async_in_flight >= 1``)"""
 
 
@@ -107,6 +131,17 @@ LAUNCHES["stage1 fwd: broadcast flags"] = (
     ),
     {"num_warps": 1},
 )
+
+LAUNCHES[GATHER] = (
+    _gather_broadcast_rows_kernel,
+    dict(
+        src_ptr="*bf16", send_token_ptr="*i32", bcast_x_ptr="*bf16", bcast_tok_ptr="*i32", row_src_ptr="*i32",
+        row_pos_ptr="*i32", expert_start_ptr="*i32", pool_ptr="*bf16", state_ptr="*i32", pool_ready_ptr="*i32",
+        rank="i32", world="i32", G="i32", H=H, stage_rows="i32", stage_slots="i32", num_programs="i32",
+        max_spins="i32", BLOCK_R=GATHER_BLOCK_R, BLOCK_H=GATHER_BLOCK_H,
+    ),
+    {"num_warps": GATHER_WARPS},
+)  # fmt: skip
 
 
 if __name__ == "__main__":

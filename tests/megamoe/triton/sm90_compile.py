@@ -78,7 +78,7 @@ def config_constexprs(kernel, config: dict, launcher_only: tuple[str, ...] = (),
     return defaults | {k: v for k, v in config.items() if k in params}
 
 
-def compile_kernel(kernel, args: dict, *, num_warps: int = 4, num_stages: int = 3) -> dict:
+def compile_kernel(kernel, args: dict, *, num_warps: int = 4, num_stages: int = 3, **options) -> dict:
     """Compile ``kernel`` for sm_90a with ``args`` (every parameter by name, see the module docstring) and
     the launch options (defaults: Triton's); run the bundled ptxas on its PTX."""
     names = kernel.arg_names
@@ -99,7 +99,7 @@ def compile_kernel(kernel, args: dict, *, num_warps: int = 4, num_stages: int = 
         compiled = triton.compile(
             ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
             target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": num_warps, "num_stages": num_stages},
+            options={"num_warps": num_warps, "num_stages": num_stages, **options},
         )
     except Exception as error:  # report it: the test names the launch that failed
         return {"compiled": False, "error": f"{type(error).__name__}: {error}"[:800]}
