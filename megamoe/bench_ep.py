@@ -167,7 +167,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     from megamoe.backends.exchange import TokenExchange, _all_to_all
     from megamoe.backends.symm import launch
     from megamoe.backends.symm.backend import SymmBackend
-    from megamoe.backends.symm.workspace import COUNTER_COMBINE, COUNTER_POOL
+    from megamoe.backends.symm.workspace import COUNTER_COMBINE
     from megamoe.backends.triton.combine import combine
     from megamoe.backends.triton.configs import num_programs, wgrad_config
     from megamoe.backends.triton.swiglu import swiglu_forward
@@ -294,8 +294,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
     cfg, sms = wgrad_config(x.device), num_programs(x.device)
 
-    def wgrad():
-        launch.wait_flags(ws, "pool_ready", COUNTER_POOL)
+    def wgrad():  # the pool holds the last op's rows; no flag wait (broadcast mode sets no own flags)
         grouped_wgrad(dh, pool, dw1, plan.recv, config=cfg, num_sms=sms)
         grouped_wgrad(pool, a, dw2, plan.recv, config=cfg, num_sms=sms)
 
