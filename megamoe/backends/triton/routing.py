@@ -203,7 +203,7 @@ def build_routing_plan(topk_idx_TK: Tensor, *, num_experts: int, block_m: int) -
     num_tiles_1 = torch.empty(1, dtype=torch.int32, device=device)
     totals = torch.empty(bins, dtype=torch.int32, device=device)
     cols = min(bins, OFFSET_COLUMNS)
-    chunk = 16 if interpret else max(16, min(256, 32768 // bins))
+    chunk = 16 if interpret else max(16, min(256, 8192 // bins))  # [chunk, bins] tiles of 8K: no spills
     if num_blocks:
         _histogram_kernel[(num_blocks,)](idx_S, counts, S, G, BLOCK_S=block_s, BINS=bins, num_warps=warps)
     _totals_kernel[(bins // cols,)](
