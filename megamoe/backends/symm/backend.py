@@ -131,19 +131,6 @@ class SymmBackend:
             launch.stage_for_pull(plan.ws, dispatch.src_TH, dispatch.send_token_S)
         launch.begin_op(plan.ws)
 
-    def _broadcast_weights(self, plan: SymmPlan, send_weight_S: Tensor) -> Tensor:
-        """Each pool row's routing weight in broadcast mode: own rows from this rank's send order, a peer's
-        from the copy it made of its send-order weights (valid once the GEMM's waits saw its flag)."""
-        ws, lay = plan.ws, plan.layout
-        src, pos = lay.row_src_R.long(), lay.row_pos_R.long()
-        slots = ws.max_tokens * ws.key.topk
-        copied = ws.view("bcast_weight")
-        peer = copied.index_select(0, (src * slots + pos).clamp(0, copied.numel() - 1))
-        if not send_weight_S.numel():  # this rank routed nothing: every row is a peer's
-            return peer
-        own = send_weight_S.index_select(0, pos.clamp(0, send_weight_S.numel() - 1))
-        return torch.where(src == ws.rank, own, peer)
-
     def _broadcast_dgrad(self, plan: SymmPlan, src_TH: Tensor, *, gather_pool: bool, **gemm) -> None:
         """Broadcast mode's backward op after its barrier: copy ``src_TH`` (``dy`` or ``x``) to every
         peer (copy engines), launch the dgrad kernel ``gemm``, and, for the wgrad, fill the pool from
@@ -163,6 +150,7 @@ class SymmBackend:
         ws, lay, s = plan.ws, plan.layout, plan.send
         h = x.new_empty(ws.pool_rows, w1_G2IH.shape[1])
         broadcast = launch.dispatch_mode(ws.world) == "broadcast"
+        send_weight_S = None  # broadcast mode: this rank's routing weights in send order, copied to peers
         if broadcast:
             send_weight_S = s.row_values_R(weights_TK).float()
             launch.broadcast_rows(ws, x, s.row_token_R, send_weight_S)
@@ -182,11 +170,7 @@ class SymmBackend:
         )
         if broadcast:
             launch.join_broadcast(ws)
-            weights = self._broadcast_weights(plan, send_weight_S)
-        else:
-            weights = ws.view("pool_weight")
-        weights = weights.to(topk_weights_TK.dtype)
-        weights = torch.where(plan.recv.row_is_valid_R(), weights, torch.zeros_like(weights))
+        weights = launch.pool_weights(ws, lay, send_weight_S, topk_weights_TK.dtype)
         launch.check(ws)
         return h, weights, None  # no activation: stage 2 runs the SwiGLU pass
 

@@ -243,6 +243,28 @@ def _gather_broadcast_rows_kernel(
             tl.store(to_ptrs, v, mask=mask, eviction_policy="evict_first")
 
 
+@triton.jit(do_not_specialize=["rank", "G", "P", "stage_slots"])
+def _pool_weights_kernel(
+    row_src_ptr, row_pos_ptr, expert_start_ptr, own_weight_ptr, copied_weight_ptr, out_ptr, rank, G, P,
+    stage_slots, BROADCAST: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Stage 1 forward, after the GEMM: each pool row's routing weight in the output dtype, 0 past the
+    valid rows. Push/pull: the weights the comm role put in ``pool_weight`` (``copied_weight``). Broadcast:
+    own rows from this rank's send-order weights, a peer's from the copy it made of its own (valid once
+    the GEMM's waits saw its flag)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = rows < tl.load(expert_start_ptr + G)
+    if BROADCAST:
+        src = tl.load(row_src_ptr + rows, mask=valid, other=0)
+        pos = tl.load(row_pos_ptr + rows, mask=valid, other=0)
+        own, peer = valid & (src == rank), valid & (src != rank)
+        w = tl.load(own_weight_ptr + pos, mask=own, other=0.0)
+        w += tl.load(copied_weight_ptr + src.to(tl.int64) * stage_slots + pos, mask=peer, other=0.0)
+    else:
+        w = tl.load(copied_weight_ptr + rows, mask=valid, other=0.0)
+    tl.store(out_ptr + rows, w.to(out_ptr.dtype.element_ty), mask=rows < P)
+
+
 @triton.jit
 def _peer(local_ptr, bases, rank, r):
     """``local_ptr`` moved into rank ``r``'s copy of the workspace.

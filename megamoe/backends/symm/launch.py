@@ -16,6 +16,7 @@ from megamoe.backends.symm.kernels import (
     _barrier_kernel,
     _fused_kernel,
     _gather_broadcast_rows_kernel,
+    _pool_weights_kernel,
     _signal_ready_kernel,
     _wait_kernel,
 )
@@ -230,6 +231,25 @@ def gather_broadcast_rows(
     if not torch.cuda.is_current_stream_capturing():
         for t in (src_TH, send_token_S):
             t.record_stream(ws.side_stream)
+
+
+def pool_weights(
+    ws: SymmWorkspace, layout: SymmLayout, send_weight_S: Tensor | None, dtype: torch.dtype
+) -> Tensor:
+    """Stage 1 forward, after the GEMM: each pool row's routing weight (``[P]``, ``dtype``, 0 past the
+    valid rows), in one kernel. ``send_weight_S`` (broadcast mode): this rank's weights in send order;
+    the peers' come from their copies. Else the comm role's ``pool_weight``."""
+    P, broadcast = ws.pool_rows, send_weight_S is not None
+    out = torch.empty(P, dtype=dtype, device=ws.state.device)
+    if P == 0:
+        return out
+    block = 1024
+    _pool_weights_kernel[(triton.cdiv(P, block),)](
+        layout.row_src_R, layout.row_pos_R, layout.expert_start_G1, send_weight_S if broadcast else None,
+        ws.view("bcast_weight") if broadcast else ws.view("pool_weight"), out, ws.rank,
+        ws.num_local_experts, P, ws.max_tokens * ws.key.topk, BROADCAST=broadcast, BLOCK=block,
+    )  # fmt: skip
+    return out
 
 
 def join_broadcast(ws: SymmWorkspace) -> None:

@@ -14,7 +14,12 @@ from __future__ import annotations
 import json
 import sys
 
-from megamoe.backends.symm.kernels import _fused_kernel, _gather_broadcast_rows_kernel, _signal_ready_kernel
+from megamoe.backends.symm.kernels import (
+    _fused_kernel,
+    _gather_broadcast_rows_kernel,
+    _pool_weights_kernel,
+    _signal_ready_kernel,
+)
 from megamoe.backends.symm.layout import _layout_kernel
 from megamoe.backends.triton.configs import gemm_config
 from megamoe.backends.triton.side_gather import BLOCK_H as GATHER_BLOCK_H
@@ -142,6 +147,17 @@ LAUNCHES[GATHER] = (
     ),
     {"num_warps": GATHER_WARPS},
 )  # fmt: skip
+
+for _broadcast in (False, True):
+    LAUNCHES[f"stage1 fwd: pool weights, {'broadcast' if _broadcast else 'push/pull'}"] = (
+        _pool_weights_kernel,
+        dict(
+            row_src_ptr="*i32", row_pos_ptr="*i32", expert_start_ptr="*i32",
+            own_weight_ptr="*fp32" if _broadcast else None, copied_weight_ptr="*fp32", out_ptr="*bf16",
+            rank="i32", G="i32", P="i32", stage_slots="i32", BROADCAST=_broadcast, BLOCK=1024,
+        ),
+        {"num_warps": 4},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
