@@ -98,13 +98,15 @@ DISPATCH_MODES = ("push", "pull", "broadcast")
 
 def dispatch_mode(world: int) -> str:
     """``MEGAMOE_SYMM_DISPATCH``: ``push`` (sources write into the destinations' pools), ``pull``
-    (sources stage their rows locally, destinations read them) or ``broadcast`` (stage 1 forward: each
-    source copies its whole ``x`` into every peer's workspace with the copy engines, GEMM1 tiles gather
-    rows from those copies by token; the other ops push).
+    (sources stage their rows locally, destinations read them) or ``broadcast`` (each source copies
+    its whole ``x`` or ``dy`` into every peer's workspace with the copy engines; GEMM1 and GEMM2-dgrad
+    tiles gather rows from those copies by token, and in backward a kernel beside the dgrad fills the
+    pool from them for the wgrads).
 
-    Unset: ``broadcast`` in an EP group of 2, where it measured faster on 2 x H200 (forward dispatch op
-    1.14x the serial path against push's 1.02x; docs/benchmarks.md), else ``push`` (broadcast moves
-    each token once per peer, not once per routed slot, but is not yet measured on more GPUs).
+    Unset: ``broadcast`` in an EP group of 2, where it measured faster on 2 x H200 (layer 1.60x the
+    NCCL pipeline against push's 1.55x; forward dispatch op 1.15x against 1.03x, dy dispatch 1.32x
+    against 1.17x; docs/benchmarks.md), else ``push`` (broadcast moves each token once per peer, not
+    once per routed slot, but is not yet measured on more GPUs).
     """
     mode = os.environ.get("MEGAMOE_SYMM_DISPATCH") or ("broadcast" if world == 2 else "push")
     if mode not in DISPATCH_MODES:
