@@ -12,8 +12,8 @@ the median of CUDA-event-timed repeats after warm-up, with the L2 cache flushed 
 alone, split where ours splits, for both: stage 1 = dispatch + GEMM1 + the SwiGLU forward (ours: in
 GEMM1's epilogue; the baseline's eager SwiGLU), differentiated through ``h`` only; stage 2 = GEMM2 +
 combine, whose backward includes the SwiGLU backward (both save ``h``). ``dispatch_grouped_gemm``
-also times our GEMM1 kernel (with its SwiGLU epilogue) against a bare ``torch._grouped_mm`` on the
-same rows.
+also times GEMM1 alone as two pairs on the same rows: our kernel without an epilogue against a bare
+``torch._grouped_mm``, and with its SwiGLU epilogue against ``torch._grouped_mm`` + eager SwiGLU.
 """
 
 from __future__ import annotations
