@@ -207,13 +207,16 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     remote = launch.RemoteOut(lay.row_src_R, lay.row_pos_R)
     remote_scalar = launch.RemoteOut(lay.row_src_R, lay.row_pos_R, wts.float())
 
+    def broadcast() -> bool:
+        return launch.dispatch_mode(ws.world) == "broadcast"
+
     def fwd1_full():
         p = sb.make_plan(idx, num_experts=E, group=group)
         sb.stage1_forward(x, tw, w1, p)
 
     def fwd1_comm():
         sb._exchange(plan, x, tw)  # [pull staging,] count exchange with the barrier, layout
-        if launch.dispatch_mode(ws.world) == "broadcast":  # the copies and flags, tiles that only wait
+        if broadcast():  # the copies and flags, tiles that only wait
             send_weight = s.row_values_R(tw).float()
             launch.broadcast_rows(ws, x, s.row_token_R, send_weight)
             gemm("gemm1", pool, w1, False, num_tiles_1=no_tiles, out_RN=h, wait=True, local_rows=lay,
@@ -239,9 +242,6 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
         swiglu_forward(h, a, lay.expert_start_G1[-1:])
         gemm("gemm2", a, w2, False, out_RN=local_h, row_scale_R=wts.float())
         combine(local_h, s.slot_row_S, y, topk=s.topk, weights_R=None)
-
-    def broadcast() -> bool:
-        return launch.dispatch_mode(ws.world) == "broadcast"
 
     def bwd2_broadcast(num_tiles_1):  # copies, dgrad tiles gathering them, the pool filled beside
         sb._begin(plan)

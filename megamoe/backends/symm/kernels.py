@@ -47,6 +47,7 @@ from megamoe.backends.symm.workspace import (
     STATE_TILE,
 )
 from megamoe.backends.triton.grouped_gemm import _swizzle, tile_product
+from megamoe.backends.triton.side_gather import copy_rows_streaming
 
 # jit code reads module globals only as constexprs
 _TILE = tl.constexpr(STATE_TILE)
@@ -233,14 +234,8 @@ def _gather_broadcast_rows_kernel(
         token = tl.load(send_token_ptr + pos, mask=own, other=0).to(tl.int64)
         peer_token = tl.load(bcast_tok_ptr + src * stage_slots + pos, mask=peer, other=0).to(tl.int64)
         peer_row = src.to(tl.int64) * stage_rows + peer_token
-        from_ptrs = tl.where(own, src_ptr + token * H, bcast_x_ptr + peer_row * H)
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            mask = ok[:, None] & (cols < H)[None, :]
-            # streamed through L2 (evict first): the dgrad GEMM beside it keeps its tiles there
-            v = tl.load(from_ptrs[:, None] + cols[None, :], mask=mask, eviction_policy="evict_first")
-            to_ptrs = pool_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :]
-            tl.store(to_ptrs, v, mask=mask, eviction_policy="evict_first")
+        from_rows = tl.where(own, src_ptr + token * H, bcast_x_ptr + peer_row * H)
+        copy_rows_streaming(from_rows, pool_ptr + rows.to(tl.int64) * H, ok, H, BLOCK_H)
 
 
 @triton.jit(do_not_specialize=["rank", "G", "P", "stage_slots"])

@@ -45,6 +45,17 @@ GATHER_MAX_REGISTERS = (65536 - 256 * GEMM_REGISTER_CAP) // (32 * NUM_WARPS)
 
 
 @triton.jit
+def copy_rows_streaming(from_rows, to_rows, ok, H, BLOCK_H: tl.constexpr):
+    """``to_rows[r][:H] = from_rows[r][:H]`` for the rows where ``ok`` (row start pointers), streamed
+    through L2 (evict first) so that the GEMM beside it keeps its reused tiles there."""
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        mask = ok[:, None] & (cols < H)[None, :]
+        v = tl.load(from_rows[:, None] + cols[None, :], mask=mask, eviction_policy="evict_first")
+        tl.store(to_rows[:, None] + cols[None, :], v, mask=mask, eviction_policy="evict_first")
+
+
+@triton.jit
 def _gather_rows_kernel(
     src_ptr,
     index_ptr,
@@ -60,15 +71,7 @@ def _gather_rows_kernel(
         rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < R
         src_row = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            mask = row_ok[:, None] & (cols < H)[None, :]
-            # streamed through L2 (evict first): the GEMM beside it keeps its reused tiles there
-            v = tl.load(
-                src_ptr + src_row[:, None] * H + cols[None, :], mask=mask, eviction_policy="evict_first"
-            )
-            out = out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :]
-            tl.store(out, v, mask=mask, eviction_policy="evict_first")
+        copy_rows_streaming(src_ptr + src_row * H, out_ptr + rows.to(tl.int64) * H, row_ok, H, BLOCK_H)
 
 
 def gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor) -> None:
