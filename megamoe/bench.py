@@ -7,8 +7,10 @@ Each model runs the per-rank work of EP8 on one GPU (its local experts, all toke
 R = T*K rows). In the same process it times the baseline — argsort by expert, gather, the first
 ``torch._grouped_mm``, eager SwiGLU, the second ``torch._grouped_mm``, weighted scatter-add, autograd
 backward — and prints ms, TFLOP/s, peak memory above the inputs and ours/baseline ratios. Times are
-the median of CUDA-event-timed repeats after warm-up, with the L2 cache flushed before each repeat
-(``triton.testing.do_bench``). ``layer`` times ``fused_mega_moe``; the stage modes time one stage
+CUDA-event timed with the L2 cache flushed before each repeat (``triton.testing.do_bench``), in
+interleaved rounds: each round times every implementation of a comparison in turn, and each reports
+the median over all rounds, so the card's clock drift (it is power-capped and warms up over a run)
+falls on both sides alike instead of on whichever ran later. ``layer`` times ``fused_mega_moe``; the stage modes time one stage
 alone, split where ours splits, for both: stage 1 = dispatch + GEMM1 + the SwiGLU forward (ours: in
 GEMM1's epilogue; the baseline's eager SwiGLU), differentiated through ``h`` only; stage 2 = GEMM2 +
 combine, whose backward includes the SwiGLU backward (both save ``h``). ``dispatch_grouped_gemm``
@@ -19,6 +21,7 @@ also times GEMM1 alone as two pairs on the same rows: our kernel without an epil
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -127,10 +130,24 @@ class Result:
     peak_gib: float
 
 
-def _time(fn: Callable[[], object], grads: list[Tensor]) -> float:
+ROUNDS = 10  # interleaved rounds of a comparison
+ROUND_MS = 60  # time budget of one implementation's repeats in one round
+
+
+def _time_interleaved(cases: list[tuple[Callable[[], object], list[Tensor]]]) -> list[float]:
+    """Median ms of each ``(fn, grads_to_reset)`` over :data:`ROUNDS` rounds that time them in turn.
+
+    Timing A's repeats, then B's, would charge the card's clock drift (a power-capped H200 runs
+    5-15 % slower once warm) to B; alternating spreads it over both."""
     from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=25, rep=200, grad_to_none=grads, return_mode="median"))
+    samples: list[list[float]] = [[] for _ in cases]
+    for fn, grads in cases:  # warm-up and compile outside the timed rounds
+        do_bench(fn, warmup=25, rep=1, grad_to_none=grads)
+    for _ in range(ROUNDS):
+        for times, (fn, grads) in zip(samples, cases, strict=True):
+            times.append(do_bench(fn, warmup=1, rep=ROUND_MS, grad_to_none=grads, return_mode="median"))
+    return [statistics.median(times) for times in samples]
 
 
 def _peak_gib(fn: Callable[[], object]) -> float:
@@ -225,15 +242,17 @@ def _gemm1_alone(shape: ModelShape, routing: str, device: torch.device) -> list[
         gate, up = torch._grouped_mm(x_sorted, w1_t, offs=offs).chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
-    return [
-        ("gemm1, no epilogue (gather fused)", _time(plain, [])),
-        ("torch._grouped_mm (pre-gathered)", _time(lambda: torch._grouped_mm(x_sorted, w1_t, offs=offs), [])),
-        (
-            "gemm1 + SwiGLU epilogue (gather fused)",
-            _time(lambda: ops.gemm1_forward(x, w1, shape.topk, *plan.tables()), []),
-        ),
-        ("torch._grouped_mm + eager SwiGLU (pre-gathered)", _time(grouped_mm_swiglu, [])),
-    ]
+    kernel = _time_interleaved([(plain, []), (lambda: torch._grouped_mm(x_sorted, w1_t, offs=offs), [])])
+    as_run = _time_interleaved(
+        [(lambda: ops.gemm1_forward(x, w1, shape.topk, *plan.tables()), []), (grouped_mm_swiglu, [])]
+    )
+    names = (
+        "gemm1, no epilogue (gather fused)",
+        "torch._grouped_mm (pre-gathered)",
+        "gemm1 + SwiGLU epilogue (gather fused)",
+        "torch._grouped_mm + eager SwiGLU (pre-gathered)",
+    )
+    return list(zip(names, kernel + as_run, strict=True))
 
 
 def run(
@@ -245,7 +264,9 @@ def run(
         shape = MODELS[name]
         rows = shape.tokens * shape.topk
         for routing in routings:
-            for impl, forward, leaves in _cases(mode, shape, routing, device, precision):
+            cases = list(_cases(mode, shape, routing, device, precision))
+            phases: dict[str, list] = {"fwd": []} if fwd_only else {"fwd": [], "fwd+bwd": []}
+            for _impl, forward, leaves in cases:
                 grad_out = torch.randn_like(forward())
 
                 def fwd(forward=forward):
@@ -255,9 +276,14 @@ def run(
                 def fwd_bwd(forward=forward, leaves=leaves, grad_out=grad_out):
                     torch.autograd.backward(forward(), grad_out, inputs=leaves)
 
-                phases = [("fwd", fwd, 1)] if fwd_only else [("fwd", fwd, 1), ("fwd+bwd", fwd_bwd, 3)]
-                for phase, fn, mult in phases:
-                    ms = _time(fn, leaves)
+                phases["fwd"].append((fwd, leaves))
+                if not fwd_only:
+                    phases["fwd+bwd"].append((fwd_bwd, leaves))
+            for phase, timed in phases.items():
+                mult = 1 if phase == "fwd" else 3
+                for (impl, _, leaves), (fn, _), ms in zip(
+                    cases, timed, _time_interleaved(timed), strict=True
+                ):
                     tflops = mult * _flops(mode, shape, rows) / (ms * 1e-3) / 1e12
                     results.append(Result(name, routing, mode, phase, impl, ms, tflops, _peak_gib(fn)))
                     for leaf in leaves:
