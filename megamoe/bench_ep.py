@@ -79,7 +79,24 @@ class LayerResult:
 def time_collective(
     fn: Callable[[], object], *, warmup: int = 5, repeats: int = 20, calls_per_sample: int = 1
 ) -> float:
-    """Median ms of ``fn`` over ``repeats`` event-timed samples on every rank; the slowest rank's median.
+    """:func:`time_collective_interleaved` of one function."""
+    return time_collective_interleaved(
+        [fn], warmup=warmup, repeats=repeats, calls_per_sample=calls_per_sample
+    )[0]
+
+
+def time_collective_interleaved(
+    fns: list[Callable[[], object]],
+    *,
+    warmup: int = 5,
+    repeats: int = 20,
+    calls_per_sample: int = 1,
+    rounds: int = 5,
+) -> list[float]:
+    """Median ms of each of ``fns`` over ``repeats`` event-timed samples on every rank; the slowest
+    rank's median. The samples are taken in ``rounds`` rounds that visit every function in turn, so
+    the card's clock drift (power-capped, it slows as it warms) falls on the legs of one comparison
+    alike instead of on whichever was timed last.
 
     A sample is ``calls_per_sample`` back-to-back calls divided by that count, timed from the end of a
     spin kernel (:data:`HOLD_CYCLES`) during which the host enqueues them: as in a training step, where
@@ -89,23 +106,26 @@ def time_collective(
     there, as it would wait for the previous layer in training. Fixed counts (not ``do_bench``'s
     adaptive ones) because every rank must make the same calls.
     """
-    for _ in range(warmup):
-        fn()
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
     torch.cuda.synchronize()
     dist.barrier()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(HOLD_CYCLES)
-        start.record()
-        for _ in range(calls_per_sample):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls_per_sample)
-    median = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return float(median.item())
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, samples in zip(fns, times, strict=True):
+            for _ in range(-(-repeats // rounds)):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(HOLD_CYCLES)
+                start.record()
+                for _ in range(calls_per_sample):
+                    fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / calls_per_sample)
+    medians = torch.tensor([statistics.median(t) for t in times], device="cuda")
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return medians.tolist()
 
 
 def _peak_gib(fn: Callable[[], object]) -> float:
@@ -333,9 +353,8 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
                 label = stage
             else:
                 label = f"{stage} [{dispatch}]"
-            t_comm, t_gemm, t_full, t_serial = (
-                time_collective(leg, calls_per_sample=OP_CALLS_PER_SAMPLE)
-                for leg in (comm, gemm_leg, full, serial)
+            t_comm, t_gemm, t_full, t_serial = time_collective_interleaved(
+                [comm, gemm_leg, full, serial], calls_per_sample=OP_CALLS_PER_SAMPLE
             )
             results.append(StageResult(name, routing, label, t_comm, t_gemm, t_full, t_serial))
     if chosen is None:
@@ -365,13 +384,12 @@ def bench_layer(name: str, shape, routing: str, group) -> list[LayerResult]:
         "NCCL all-to-all + torch._grouped_mm": lambda: baseline_ep_layer(x, idx, tw, w1, w2, group),
     }
     flops = 3 * 6 * shape.tokens * shape.topk * shape.hidden * shape.inter
+    steps = [
+        lambda forward=forward: torch.autograd.backward(forward(), dy, inputs=leaves)
+        for forward in impls.values()
+    ]
     out = []
-    for impl, forward in impls.items():
-
-        def step(forward=forward):
-            torch.autograd.backward(forward(), dy, inputs=leaves)
-
-        ms = time_collective(step)
+    for impl, step, ms in zip(impls, steps, time_collective_interleaved(steps), strict=True):
         out.append(LayerResult(name, routing, impl, ms, flops / (ms * 1e-3) / 1e12, _peak_gib(step)))
         for leaf in leaves:
             leaf.grad = None
