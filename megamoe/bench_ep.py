@@ -8,8 +8,10 @@ fused op of the expert path:
 * ``T_comm``      the same op without its math (the GEMM's K loop left out; rows still move);
 * ``T_gemm``      the same op without its communication (no barrier, no push, local stores);
 * ``overlap``     ``max(T_comm, T_gemm) / T_measured`` (1.0 = the shorter leg is fully hidden);
-* ``serial``      NCCL ``all_to_all_single`` of the same rows, then the same GEMM leg, in sequence
-  (split sizes computed once outside the timing, which flatters the serial path).
+* ``serial``      the NCCL pipeline (``megamoe.backends.exchange``, the steps of megatron's all-to-all
+  dispatcher) around the same GEMM, in sequence: rows gathered into send order, ``all_to_all_single``,
+  sorted by expert; for a combine the inverse permutation and the all-to-all back (split sizes
+  computed once outside the timing, which flatters the serial path).
 
 Each op's sample is ``OP_CALLS_PER_SAMPLE`` back-to-back calls, enqueued while a spin kernel holds the
 GPU (:func:`time_collective`), so the host's launch latency (stage 1 starts with its routing tables,
@@ -18,7 +20,8 @@ the count exchange and the layout) is not counted as device time, for either pat
 ``--mode layer`` times ``fused_mega_moe`` forward + backward against the NCCL all-to-all +
 ``torch._grouped_mm`` pipeline (the split sizes read on the host each step, as megatron's
 all-to-all dispatcher does). Every time is the median of CUDA-event-timed repeats after warm-up,
-and the slowest rank's median is reported.
+and the slowest rank's median is reported; the legs of one comparison are timed in interleaved
+rounds (:func:`time_collective_interleaved`).
 """
 
 from __future__ import annotations
@@ -184,7 +187,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     Every op that moves rows to the experts is timed with push, pull and (when the workspace has its
     regions) broadcast dispatch.
     """
-    from megamoe.backends.exchange import TokenExchange, _all_to_all
+    from megamoe.backends.exchange import TokenExchange
     from megamoe.backends.symm import launch
     from megamoe.backends.symm.backend import SymmBackend
     from megamoe.backends.symm.workspace import COUNTER_COMBINE
@@ -209,15 +212,17 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     dy = torch.randn_like(x)
     y = torch.empty_like(x)
     da = h.new_empty(P, I)
+    # the serial path is the NCCL pipeline's (megamoe.backends.exchange, megatron's all-to-all
+    # dispatcher): rows permuted into send order, all-to-all, sorted by expert for the same GEMM, and
+    # the inverse around the combine; only its routing metadata (host-side splits) is built once here
     ex = TokenExchange.build(idx, num_experts=E, group=group)
-    send_rows = x.new_empty(int(ex.send_slots_S.numel()), H)
-    recv_rows = x.new_empty(ex.num_rows, H)
+    R = ex.num_rows
 
-    def a2a_dispatch():
-        _all_to_all(send_rows, recv_rows.shape[0], ex.recv_splits, ex.send_splits, group)
+    def a2a_dispatch(src_TH: Tensor) -> Tensor:
+        return ex.dispatch_tokens(src_TH)
 
-    def a2a_combine():
-        _all_to_all(recv_rows, send_rows.shape[0], ex.send_splits, ex.recv_splits, group)
+    def a2a_combine(rows_RH: Tensor) -> Tensor:
+        return ex.combine(rows_RH[:R])
 
     def gemm(op, a_rk, b, b_kn, num_tiles_1=lay.num_tiles_1, **kw):
         launch.fused_gemm(
@@ -319,23 +324,35 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
         grouped_wgrad(pool, a, dw2, plan.recv, config=cfg, num_sms=sms)
 
     dispatch_ops = [
-        ("fwd: dispatch + GEMM1", fwd1_full, fwd1_comm, fwd1_gemm, lambda: (a2a_dispatch(), fwd1_gemm())),
+        (
+            "fwd: dispatch + GEMM1",
+            fwd1_full,
+            fwd1_comm,
+            fwd1_gemm,
+            lambda: gemm("gemm1", a2a_dispatch(x), w1, False, out_RN=h),
+        ),
         (
             "bwd dgrad: dy dispatch + GEMM2-dgrad",
             bwd2_full,
             bwd2_comm,
             bwd2_gemm,
-            lambda: (a2a_dispatch(), bwd2_gemm()),
+            lambda: gemm("dgrad2", a2a_dispatch(dy), w2, True, out_RN=da),
         ),
     ]
     combine_ops = [
-        ("fwd: GEMM2 + combine", fwd2_full, fwd2_comm, fwd2_gemm, lambda: (fwd2_gemm(), a2a_combine())),
+        (
+            "fwd: GEMM2 + combine",
+            fwd2_full,
+            fwd2_comm,
+            fwd2_gemm,
+            lambda: (fwd2_gemm(), a2a_combine(local_h)),
+        ),
         (
             "bwd dgrad: GEMM1-dgrad + dx combine (+ x re-dispatch)",
             bwd1_full,
             bwd1_comm,
             bwd1_gemm,
-            lambda: (bwd1_gemm(), a2a_combine(), a2a_dispatch()),
+            lambda: (bwd1_gemm(), a2a_combine(local_h), a2a_dispatch(x)),
         ),
     ]
     results = []
