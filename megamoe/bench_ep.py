@@ -187,7 +187,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     Every op that moves rows to the experts is timed with push, pull and (when the workspace has its
     regions) broadcast dispatch.
     """
-    from megamoe.backends.exchange import TokenExchange
+    from megamoe.backends.exchange import TokenExchange, _all_to_all
     from megamoe.backends.symm import launch
     from megamoe.backends.symm.backend import SymmBackend
     from megamoe.backends.symm.workspace import COUNTER_COMBINE
@@ -216,13 +216,14 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     # dispatcher): rows permuted into send order, all-to-all, sorted by expert for the same GEMM, and
     # the inverse around the combine; only its routing metadata (host-side splits) is built once here
     ex = TokenExchange.build(idx, num_experts=E, group=group)
-    R = ex.num_rows
+    R, S = ex.num_rows, int(ex.send_slots_S.numel())
 
     def a2a_dispatch(src_TH: Tensor) -> Tensor:
         return ex.dispatch_tokens(src_TH)
 
-    def a2a_combine(rows_RH: Tensor) -> Tensor:
-        return ex.combine(rows_RH[:R])
+    def a2a_combine(rows_RH: Tensor) -> Tensor:  # as baseline_ep_layer: index_copy back, all-to-all
+        source_major = rows_RH.new_empty(R, rows_RH.shape[1]).index_copy_(0, ex.recv_perm_R, rows_RH[:R])
+        return _all_to_all(source_major, S, ex.send_splits, ex.recv_splits, group)
 
     def gemm(op, a_rk, b, b_kn, num_tiles_1=lay.num_tiles_1, **kw):
         launch.fused_gemm(
