@@ -10,10 +10,11 @@ backward — and prints ms, TFLOP/s, peak memory above the inputs and ours/basel
 CUDA-event timed with the L2 cache flushed before each repeat (``triton.testing.do_bench``), in
 interleaved rounds: each round times every implementation of a comparison in turn, and each reports
 the median over all rounds, so the card's clock drift (it is power-capped and warms up over a run)
-falls on both sides alike instead of on whichever ran later. ``layer`` times ``fused_mega_moe``; the stage modes time one stage
-alone, split where ours splits, for both: stage 1 = dispatch + GEMM1 + the SwiGLU forward (ours: in
-GEMM1's epilogue; the baseline's eager SwiGLU), differentiated through ``h`` only; stage 2 = GEMM2 +
-combine, whose backward includes the SwiGLU backward (both save ``h``). ``dispatch_grouped_gemm``
+falls on both sides alike instead of on whichever ran later. ``layer`` times ``fused_mega_moe``;
+the stage modes time one stage alone, split where ours splits, for both: stage 1 = dispatch + GEMM1
++ the SwiGLU forward (ours: in GEMM1's epilogue; the baseline's eager SwiGLU), differentiated through
+``h`` only; stage 2 = GEMM2 + combine, whose backward includes the SwiGLU backward (both save ``h``).
+``dispatch_grouped_gemm``
 also times GEMM1 alone as two pairs on the same rows: our kernel without an epilogue against a bare
 ``torch._grouped_mm``, and with its SwiGLU epilogue against ``torch._grouped_mm`` + eager SwiGLU.
 """
