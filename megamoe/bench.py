@@ -14,9 +14,9 @@ falls on both sides alike instead of on whichever ran later. ``layer`` times ``f
 the stage modes time one stage alone, split where ours splits, for both: stage 1 = dispatch + GEMM1
 + the SwiGLU forward (ours: in GEMM1's epilogue; the baseline's eager SwiGLU), differentiated through
 ``h`` only; stage 2 = GEMM2 + combine, whose backward includes the SwiGLU backward (both save ``h``).
-``dispatch_grouped_gemm``
-also times GEMM1 alone as two pairs on the same rows: our kernel without an epilogue against a bare
-``torch._grouped_mm``, and with its SwiGLU epilogue against ``torch._grouped_mm`` + eager SwiGLU.
+``dispatch_grouped_gemm`` also times GEMM1 alone as two pairs on the same rows: our kernel without
+an epilogue against a bare ``torch._grouped_mm``, and with its SwiGLU epilogue against
+``torch._grouped_mm`` + eager SwiGLU.
 """
 
 from __future__ import annotations
