@@ -170,9 +170,12 @@ def _gemm(op: str, *, a_mode: int, b_kn: bool, swiglu: bool, N: int, K: int) -> 
 def _wgrad(M: int, N: int) -> tuple:
     """wgrad.grouped_wgrad: ``dW [G, M, N]`` from contiguous expert-sorted ``P [R, M]``, ``Q [R, N]``."""
     cfg = wgrad_config(CUDA)
+    per_expert = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    grid = min(NUM_SMS, G * per_expert)
     args = dict(
         p_ptr="*bf16", q_ptr="*bf16", out_ptr="*bf16", expert_start_ptr="*i32", G=G, M=M, N=N,
-        num_programs=NUM_SMS, **config_constexprs(_wgrad_kernel, cfg, GROUP_M=8),
+        num_programs=grid, REUSE_DESCRIPTORS=per_expert > grid,
+        **config_constexprs(_wgrad_kernel, cfg, GROUP_M=8),
     )  # fmt: skip
     return _wgrad_kernel, args, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
@@ -252,6 +255,8 @@ LAUNCHES = {
     "dgrad1: A by TMA, B [K, N]": _gemm("dgrad1", a_mode=0, b_kn=True, swiglu=False, N=H, K=2 * I),
     "dgrad2: row gather, B [K, N]": _gemm("dgrad2", a_mode=1, b_kn=True, swiglu=False, N=I, K=H),
     "wgrad (K-grouped)": _wgrad(H, I),
+    # Qwen3-30B-A3B's dW2: fewer tiles per expert than programs, descriptors built for every tile
+    "wgrad (K-grouped), 48 tiles per expert": _wgrad(2048, 768),
     **_small_kernels(),
     # the routing tables at each bench model's local expert count (their tiles depend on it), and at the
     # fused EP path's send side for DeepSeek-V3 at EP = 2 and 8 (all 64 / 256 experts: 128 bins once
