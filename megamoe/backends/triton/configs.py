@@ -16,8 +16,8 @@ BLOCK_M_CPU = 16
 
 _GPU = {
     # op: BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M (M tiles per swizzle group). GEMM1's
-    # GROUP_M 4 was 0.2-2.5 % faster than 8 at all three bench shapes, with and without its epilogue,
-    # in one interleaved sweep (benchmarks/sweep_gemm1.py; docs/benchmarks.md)
+    # GROUP_M 4 was 0.2-2.5 % faster than 8 at all three bench shapes in a first interleaved sweep,
+    # equal within the noise in a second (benchmarks/sweep_tiles.py; docs/benchmarks.md)
     "gemm1": (256, 64, 8, 3, 4),
     "gemm2": (256, 64, 8, 3, 8),
     "dgrad1": (256, 64, 8, 3, 8),
