@@ -187,7 +187,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     Every op that moves rows to the experts is timed with push, pull and (when the workspace has its
     regions) broadcast dispatch.
     """
-    from megamoe.backends.exchange import TokenExchange, _all_to_all
+    from megamoe.backends.exchange import TokenExchange
     from megamoe.backends.symm import launch
     from megamoe.backends.symm.backend import SymmBackend
     from megamoe.backends.symm.workspace import COUNTER_COMBINE
@@ -216,14 +216,7 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     # dispatcher): rows permuted into send order, all-to-all, sorted by expert for the same GEMM, and
     # the inverse around the combine; only its routing metadata (host-side splits) is built once here
     ex = TokenExchange.build(idx, num_experts=E, group=group)
-    R, S = ex.num_rows, int(ex.send_slots_S.numel())
-
-    def a2a_dispatch(src_TH: Tensor) -> Tensor:
-        return ex.dispatch_tokens(src_TH)
-
-    def a2a_combine(rows_RH: Tensor) -> Tensor:  # as baseline_ep_layer: index_copy back, all-to-all
-        source_major = rows_RH.new_empty(R, rows_RH.shape[1]).index_copy_(0, ex.recv_perm_R, rows_RH[:R])
-        return _all_to_all(source_major, S, ex.send_splits, ex.recv_splits, group)
+    R = ex.num_rows
 
     def gemm(op, a_rk, b, b_kn, num_tiles_1=lay.num_tiles_1, **kw):
         launch.fused_gemm(
@@ -330,14 +323,14 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
             fwd1_full,
             fwd1_comm,
             fwd1_gemm,
-            lambda: gemm("gemm1", a2a_dispatch(x), w1, False, out_RN=h),
+            lambda: gemm("gemm1", ex.dispatch_tokens(x), w1, False, out_RN=h),
         ),
         (
             "bwd dgrad: dy dispatch + GEMM2-dgrad",
             bwd2_full,
             bwd2_comm,
             bwd2_gemm,
-            lambda: gemm("dgrad2", a2a_dispatch(dy), w2, True, out_RN=da),
+            lambda: gemm("dgrad2", ex.dispatch_tokens(dy), w2, True, out_RN=da),
         ),
     ]
     combine_ops = [
@@ -346,14 +339,14 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
             fwd2_full,
             fwd2_comm,
             fwd2_gemm,
-            lambda: (fwd2_gemm(), a2a_combine(local_h)),
+            lambda: (fwd2_gemm(), ex.combine(local_h[:R])),
         ),
         (
             "bwd dgrad: GEMM1-dgrad + dx combine (+ x re-dispatch)",
             bwd1_full,
             bwd1_comm,
             bwd1_gemm,
-            lambda: (bwd1_gemm(), a2a_combine(local_h), a2a_dispatch(x)),
+            lambda: (bwd1_gemm(), ex.combine(local_h[:R]), ex.dispatch_tokens(x)),
         ),
     ]
     results = []

@@ -117,8 +117,7 @@ class TokenExchange:
 
     def combine(self, rows_RX: Tensor) -> Tensor:
         """Inverse of :meth:`dispatch`: return expert-sorted rows to their slots, in send order ``[S, ...]``."""
-        source_major = torch.empty_like(rows_RX)
-        source_major[self.recv_perm_R] = rows_RX
+        source_major = torch.empty_like(rows_RX).index_copy_(0, self.recv_perm_R, rows_RX)
         if self.ep_size == 1:
             return source_major
         return _all_to_all(
