@@ -73,10 +73,11 @@ def _wgrad_kernel(
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_expert = num_m * num_n
-    current = 0
-    first = tl.load(expert_start_ptr)
-    rows = tl.load(expert_start_ptr + 1) - first
-    p_desc, q_desc = _expert_descriptors(p_ptr, q_ptr, first, rows, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
+    if REUSE_DESCRIPTORS:  # carried across the tiles: start with expert 0's
+        current = 0
+        first = tl.load(expert_start_ptr)
+        rows = tl.load(expert_start_ptr + 1) - first
+        p_desc, q_desc = _expert_descriptors(p_ptr, q_ptr, first, rows, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     for tile in tl.range(tl.program_id(0), G * per_expert, num_programs, flatten=True):
         expert = tile // per_expert
         local = tile % per_expert
