@@ -20,9 +20,10 @@ then the timeline of one kernel on rank 0 in the environment's dispatch mode (se
 ``MEGAMOE_SYMM_DISPATCH=push`` for the push kernel's at EP = 2), from ``MEGAMOE_SYMM_TRACE=1`` (the
 GPU's global timer in every program): when the comm programs are done, when the GEMM programs run
 out of fixed-stride tiles, who takes the counter tiles, when the last program ends. With
-``--gpu-events``, rank 0 also lists every
-kernel and memory copy of three whole ops (torch.profiler: stream, start, duration), which shows what
-runs concurrently with the GEMM (broadcast mode's copies: copy engine or SMs, overlapped or not).
+``--gpu-events``, rank 0 also profiles every fused op of the EP path and its GEMM-only leg
+(``megamoe.bench_ep.op_legs``; torch.profiler, three back-to-back calls each): per kernel or copy its
+stream, calls and mean time, and the op's span, which shows where an op's time over its GEMM goes
+(copies on the copy engines or SMs, side kernels, small kernels before and after).
 
 Prints a markdown table and writes JSON. About a minute on 2 x H200, most of it compiling.
 """
@@ -173,42 +174,51 @@ def _timeline(world: int) -> list[str]:
     return lines
 
 
-def _gpu_events(world: int) -> list[str]:
-    """Every kernel and memory copy of three back-to-back forward stage-1 ops (this rank, the
-    environment's dispatch mode), from torch.profiler: ms from the first one's start."""
+def _profile(fn, calls: int = 3) -> list:
+    """torch.profiler's CUDA events of ``calls`` back-to-back calls of ``fn`` (after as many warm-up calls)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megamoe.backends.symm.backend import SymmBackend
-    from megamoe.bench import MODELS
-    from megamoe.bench_ep import _inputs
-
-    x, idx, tw, w1, _ = _inputs(MODELS["DeepSeek-V3"], "uniform", world, dist.get_rank())
-    sb, E = SymmBackend(), w1.shape[0] * world
-
-    def op():
-        sb.stage1_forward(x, tw, w1, sb.make_plan(idx, num_experts=E, group=dist.group.WORLD))
-
-    for _ in range(3):
-        op()
+    for _ in range(calls):
+        fn()
     torch.cuda.synchronize()
     dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            op()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
     dist.barrier()
-    events = sorted(
+    return sorted(
         (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
         key=lambda e: e.time_range.start,
     )
-    if not events:
-        return []
-    t0 = events[0].time_range.start
-    return [
-        f"| {e.name[:70]} | {getattr(e, 'device_resource_id', '?')} | {(e.time_range.start - t0) / 1e3:.3f} | "
-        f"{(e.time_range.end - e.time_range.start) / 1e3:.3f} |"
-        for e in events
-    ]
+
+
+def _gpu_events(world: int) -> list[str]:
+    """Every fused op of the EP path (the environment's dispatch mode) and its GEMM-only leg, three
+    back-to-back calls each under torch.profiler (this rank): per kernel or copy, its stream, calls and
+    mean ms, and the span of the three calls divided by three."""
+    from megamoe.bench import MODELS
+    from megamoe.bench_ep import op_legs
+
+    rows = []
+    for mode in ("dispatch_grouped_gemm", "grouped_gemm_combine"):
+        ops, _, _ = op_legs(MODELS["DeepSeek-V3"], "uniform", dist.group.WORLD, mode)
+        for op in ops:
+            for leg, fn in (("op", op.full), ("GEMM leg", op.gemm)):
+                events = _profile(fn)
+                if not events:
+                    continue
+                span = (max(e.time_range.end for e in events) - events[0].time_range.start) / 3e3
+                rows.append(f"| **{op.stage}**, {leg} | | | {span:.3f} (span / 3) |")
+                kinds: dict[tuple[str, object], list[float]] = {}
+                for e in events:
+                    key = (e.name[:70], getattr(e, "device_resource_id", "?"))
+                    kinds.setdefault(key, []).append((e.time_range.end - e.time_range.start) / 1e3)
+                for (name, stream), durations in kinds.items():
+                    rows.append(
+                        f"| {name} | {stream} | {len(durations)} | {sum(durations) / len(durations):.3f} |"
+                    )
+    return rows
 
 
 def _worker(rank: int, world: int, port: int, out: str | None, gpu_events: bool) -> None:
@@ -230,8 +240,8 @@ def _worker(rank: int, world: int, port: int, out: str | None, gpu_events: bool)
         print("| kernel | event | min / median / max |\n|---|---|---|")
         print("\n".join(timeline))
         if events:
-            print("\nGPU events of three whole ops, rank 0 (ms from the first event's start)")
-            print("| kernel or copy | stream | start | duration |\n|---|---|---|---|")
+            print("\nGPU events of every op and its GEMM leg, rank 0 (three back-to-back calls each)")
+            print("| kernel or copy | stream | calls | mean ms |\n|---|---|---|---|")
             print("\n".join(events))
         if out:
             with open(out, "w") as f:
@@ -245,7 +255,7 @@ def main() -> None:
     p.add_argument("--num-processes", type=int, default=2, help="GPUs of this node, one process each")
     p.add_argument("--out", default=None, help="JSON file for the results")
     p.add_argument(
-        "--gpu-events", action="store_true", help="also list three ops' kernels and copies (torch.profiler)"
+        "--gpu-events", action="store_true", help="also profile every op and its GEMM leg (torch.profiler)"
     )
     args = p.parse_args()
     if torch.cuda.device_count() < args.num_processes:

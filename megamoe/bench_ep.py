@@ -179,13 +179,34 @@ def _inputs(shape, routing: str, world: int, rank: int):
     return x, idx, tw, w1, w2
 
 
-def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[StageResult]:
-    """T_comm, T_gemm, T_measured and the serial time of the fused ops of ``mode``.
+@dataclass(frozen=True, slots=True)
+class OpLegs:
+    """One fused op of the EP path as the benchmark runs it: the op itself and its legs (module docstring).
+
+    ``variants``: ``(label, full, comm)`` of the same op measured another way, sharing its GEMM and
+    serial legs. Each callable reads ``MEGAMOE_SYMM_DISPATCH`` when called.
+    """
+
+    stage: str
+    full: Callable[[], object]
+    comm: Callable[[], object]
+    gemm: Callable[[], object]
+    serial: Callable[[], object]
+    variants: tuple[tuple[str, Callable[[], object], Callable[[], object]], ...] = ()
+
+    @property
+    def dispatches(self) -> bool:
+        """Whether it moves rows to the experts (timed in every dispatch mode)."""
+        return "dispatch" in self.stage
+
+
+def op_legs(shape, routing: str, group, mode: str) -> tuple[list[OpLegs], Callable[[], object], list[str]]:
+    """The fused ops of ``mode`` on this rank's inputs at ``shape``, the (local) wgrads, and the dispatch
+    modes the EP group's workspace supports (broadcast only where it was allocated for it: broadcast
+    mode when it was built, the default at EP = 2).
 
     ``dispatch_grouped_gemm``: the ops that dispatch rows (forward stage 1, backward dy dispatch);
-    ``grouped_gemm_combine``: the ops that combine rows (forward stage 2, backward dx) and the wgrads.
-    Every op that moves rows to the experts is timed with push, pull and (when the workspace has its
-    regions) broadcast dispatch.
+    ``grouped_gemm_combine``: the ops that combine rows (forward stage 2, backward dx).
     """
     from megamoe.backends.exchange import TokenExchange
     from megamoe.backends.symm import launch
@@ -223,8 +244,8 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
             ws, op=op, a_RK=a_rk, b=b, b_kn=b_kn, tiles_X3=lay.tiles_X3, num_tiles_1=num_tiles_1, **kw
         )
 
-    remote = launch.RemoteOut(lay.row_src_R, lay.row_pos_R)
-    remote_scalar = launch.RemoteOut(lay.row_src_R, lay.row_pos_R, wts.float())
+    remote = launch.RemoteOut(lay.row_src_R, lay.row_pos_R, own_tiles_1=lay.num_local_tiles_1)
+    remote_scalar = launch.RemoteOut(lay.row_src_R, lay.row_pos_R, wts.float(), lay.num_local_tiles_1)
 
     def broadcast() -> bool:
         return launch.dispatch_mode(ws.world) == "broadcast"
@@ -233,8 +254,19 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
         p = sb.make_plan(idx, num_experts=E, group=group)
         sb.stage1_forward(x, tw, w1, p)
 
-    def fwd1_comm():
-        sb._exchange(plan, x, tw)  # [pull staging,] count exchange with the barrier, layout
+    def fwd1_start(planned: bool):
+        if not planned:  # [pull staging,] the count exchange with the barrier, the layout
+            return sb._exchange(plan, x, tw)
+        if launch.dispatch_mode(ws.world) == "pull":
+            launch.stage_for_pull(ws, x, s.row_token_R, s.row_values_R(tw).float())
+        launch.begin_op(ws)
+
+    def fwd1_planned():  # the original's method: the op on a reused plan (tables and layout), barrier kept
+        fwd1_start(planned=True)
+        sb.dispatch_gemm1(plan, x, tw, w1)
+
+    def fwd1_comm(planned: bool = False):
+        fwd1_start(planned)
         if broadcast():  # the copies and flags, tiles that only wait
             send_weight = s.row_values_R(tw).float()
             launch.broadcast_rows(ws, x, s.row_token_R, send_weight)
@@ -318,14 +350,15 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
         grouped_wgrad(pool, a, dw2, plan.recv, config=cfg, num_sms=sms)
 
     dispatch_ops = [
-        (
+        OpLegs(
             "fwd: dispatch + GEMM1",
             fwd1_full,
             fwd1_comm,
             fwd1_gemm,
             lambda: gemm("gemm1", ex.dispatch_tokens(x), w1, False, out_RN=h),
+            (("plan reused", fwd1_planned, lambda: fwd1_comm(planned=True)),),
         ),
-        (
+        OpLegs(
             "bwd dgrad: dy dispatch + GEMM2-dgrad",
             bwd2_full,
             bwd2_comm,
@@ -334,14 +367,14 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
         ),
     ]
     combine_ops = [
-        (
+        OpLegs(
             "fwd: GEMM2 + combine",
             fwd2_full,
             fwd2_comm,
             fwd2_gemm,
             lambda: (fwd2_gemm(), ex.combine(local_h[:R])),
         ),
-        (
+        OpLegs(
             "bwd dgrad: GEMM1-dgrad + dx combine (+ x re-dispatch)",
             bwd1_full,
             bwd1_comm,
@@ -349,25 +382,32 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
             lambda: (bwd1_gemm(), ex.combine(local_h[:R]), ex.dispatch_tokens(x)),
         ),
     ]
-    results = []
-    ops = dispatch_ops if mode == "dispatch_grouped_gemm" else combine_ops
-    # every op that moves rows to the experts, each way; broadcast when the workspace was allocated
-    # for it (broadcast mode when it was built: the default at EP = 2)
     modes = [m for m in launch.DISPATCH_MODES if m != "broadcast" or ws.shapes["bcast_x"][0][0]]
+    return (dispatch_ops if mode == "dispatch_grouped_gemm" else combine_ops), wgrad, modes
+
+
+def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[StageResult]:
+    """T_comm, T_gemm, T_measured and the serial time of the fused ops of ``mode`` (:func:`op_legs`);
+    with ``grouped_gemm_combine`` also the wgrads. Every op that moves rows to the experts is timed in
+    every dispatch mode the workspace supports."""
+    ops, wgrad, modes = op_legs(shape, routing, group, mode)
+    results = []
     chosen = os.environ.get("MEGAMOE_SYMM_DISPATCH")
     for dispatch in modes:
         os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
-        for stage, full, comm, gemm_leg, serial in ops:
-            if "dispatch" not in stage:
-                if dispatch != "push":
-                    continue
-                label = stage
-            else:
-                label = f"{stage} [{dispatch}]"
-            t_comm, t_gemm, t_full, t_serial = time_collective_interleaved(
-                [comm, gemm_leg, full, serial], calls_per_sample=OP_CALLS_PER_SAMPLE
-            )
-            results.append(StageResult(name, routing, label, t_comm, t_gemm, t_full, t_serial))
+        for op in ops:
+            if not op.dispatches and dispatch != "push":
+                continue
+            label = f"{op.stage} [{dispatch}]" if op.dispatches else op.stage
+            fns = [op.comm, op.gemm, op.full, op.serial] + [
+                f for _, full, comm in op.variants for f in (full, comm)
+            ]
+            t = time_collective_interleaved(fns, calls_per_sample=OP_CALLS_PER_SAMPLE)
+            results.append(StageResult(name, routing, label, t[0], t[1], t[2], t[3]))
+            for i, (variant, _, _) in enumerate(op.variants):
+                results.append(
+                    StageResult(name, routing, f"{label}, {variant}", t[5 + 2 * i], t[1], t[4 + 2 * i], t[3])
+                )
     if chosen is None:
         del os.environ["MEGAMOE_SYMM_DISPATCH"]
     else:

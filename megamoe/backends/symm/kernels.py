@@ -149,25 +149,30 @@ def _record_timeout(seen, expected, state_ptr, rank, counter_id, index):
             tl.store(state_ptr + _ERROR + 5, expected)
 
 
-@triton.jit(do_not_specialize=["rank", "world", "E", "max_spins"])
+@triton.jit(do_not_specialize=["rank", "world", "E", "G", "max_spins"])
 def _barrier_kernel(
     ptrs_dev,
     state_ptr,
     counts_ptr,
+    signal_ptr,
     rank,
     world,
     E,
+    G,
     arrive_ptr,
     counts_all_ptr,
     max_spins,
     HAS_COUNTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    """Start an op: bump the epoch, [publish my counts,] barrier with every rank."""
+    """Start an op: bump the epoch, write it once per local expert into ``signal`` (broadcast mode's
+    copy engines send that as the rows' flags), [publish my counts,] barrier with every rank."""
     epoch = tl.load(state_ptr) + 1
     tl.store(state_ptr, epoch)
-    bases = ptrs_dev.to(tl.pointer_type(tl.int64))
     offs = tl.arange(0, BLOCK_E)
+    for g0 in range(0, G, BLOCK_E):
+        tl.store(signal_ptr + g0 + offs, tl.full((BLOCK_E,), 0, tl.int32) + epoch, mask=g0 + offs < G)
+    bases = ptrs_dev.to(tl.pointer_type(tl.int64))
     for r in range(world):
         if HAS_COUNTS:
             dst = _peer(counts_all_ptr, bases, rank, r) + ((epoch % 2) * world + rank) * E
@@ -188,27 +193,6 @@ def _wait_kernel(flags_ptr, n, state_ptr, rank, counter_id, max_spins):
         _spin_until(flags_ptr + i, epoch, state_ptr, rank, counter_id, i, max_spins)
 
 
-@triton.jit(do_not_specialize=["rank", "world", "G"])
-def _signal_ready_kernel(ptrs_dev, state_ptr, pool_ready_ptr, rank, world, G, BLOCK_G: tl.constexpr):
-    """Broadcast mode, after this rank's copies into every peer (stream order): release
-    ``pool_ready[me, *]`` on each peer, so its GEMM tiles may read this rank's rows."""
-    epoch = tl.load(state_ptr)
-    bases = ptrs_dev.to(tl.pointer_type(tl.int64))
-    offs = tl.arange(0, BLOCK_G)
-    for r in range(world):
-        if r != rank:
-            dst = _peer(pool_ready_ptr, bases, rank, r) + rank * G
-            for g0 in range(0, G, BLOCK_G):
-                mask = g0 + offs < G
-                tl.atomic_xchg(
-                    dst + g0 + offs,
-                    tl.full((BLOCK_G,), 0, tl.int32) + epoch,
-                    mask=mask,
-                    sem="release",
-                    scope="sys",
-                )
-
-
 @triton.jit(
     do_not_specialize=["rank", "world", "G", "stage_rows", "stage_slots", "num_programs", "max_spins"]
 )
@@ -219,7 +203,7 @@ def _gather_broadcast_rows_kernel(
 ):  # fmt: skip
     """Broadcast mode's backward, beside the dgrad kernel: fill the pool (the wgrad's TMA-read rows)
     from this rank's own rows (``src`` by token) and the peers' copies, once every peer released its
-    copy (``pool_ready[s, 0]``: its signal kernel releases all of ``pool_ready[s, *]`` together)."""
+    copy (``pool_ready[s, 0]``: its copy engine writes all of ``pool_ready[s, *]`` at once, after the rows)."""
     epoch = tl.load(state_ptr)
     for s in range(world):
         if s != rank:
@@ -490,7 +474,7 @@ def _gemm_tile(
     WAIT: tl.constexpr, LOCAL_A: tl.constexpr, OUT_REMOTE: tl.constexpr, ROW_SCALE: tl.constexpr,
     PUSH_SCALAR: tl.constexpr, SKIP_MMA: tl.constexpr, B_KN: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLAT: tl.constexpr = False,
-    IN_PTX: tl.constexpr = False, BCAST_A: tl.constexpr = False,
+    IN_PTX: tl.constexpr = False, BCAST_A: tl.constexpr = False, SPREAD: tl.constexpr = False,
 ):  # fmt: skip
     """GEMM role, one tile: [wait for its expert's rows,] ``A[rows] @ B[expert]``, store locally or remotely.
 
@@ -499,9 +483,15 @@ def _gemm_tile(
     ``LOCAL_A``: rows from this rank are read from ``src`` by token (the comm role did not copy them
     into the pool), and the table's first ``num_local`` tiles, which hold only those, wait for
     nothing. ``FLAT``: waits without branches or Triton loops, for a flattened tile loop (``IN_PTX``:
-    the poll loop in inline PTX).
+    the poll loop in inline PTX). ``SPREAD`` (remote outputs): the table's first ``num_local`` tiles,
+    whose rows came from this rank and whose outputs stay here, are taken in even proportion with the
+    tiles whose outputs cross NVLink, so those stores are spread over the whole GEMM rather than left
+    for its second half.
     """
     pid_m, pid_n = _swizzle(tile_id, num_m, num_n, GROUP_M)
+    if SPREAD:  # the table's first num_local tiles (own rows: local stores) spread evenly among the rest
+        before = (pid_m * num_local) // num_m
+        pid_m = tl.where(((pid_m + 1) * num_local) // num_m > before, before, num_local + pid_m - before)
     expert = tl.load(tiles_ptr + 3 * pid_m)
     r0 = tl.load(tiles_ptr + 3 * pid_m + 1)
     r_end = tl.load(tiles_ptr + 3 * pid_m + 2)
@@ -534,16 +524,15 @@ def _gemm_tile(
     mask_m = offs_m < r_end
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
-    if LOCAL_A:
+    if LOCAL_A:  # two dependent loads before the row addresses: (source, send position), then token
         row_src = tl.load(row_src_ptr + offs_m, mask=mask_m, other=0)
+        pos = tl.load(row_pos_ptr + offs_m, mask=mask_m, other=0)
         local = mask_m & (row_src == rank)
-        pos = tl.load(row_pos_ptr + offs_m, mask=local, other=0)
         token = tl.load(send_token_ptr + pos, mask=local, other=0).to(tl.int64)
         a_ptrs = tl.where(local[:, None], src_ptr + token[:, None] * H + offs_k[None, :], a_ptrs)
         if BCAST_A:  # a peer's row: from the copy of its x in this rank's workspace, by its token
             remote = mask_m & (row_src != rank)
-            rpos = tl.load(row_pos_ptr + offs_m, mask=remote, other=0)
-            rtok = tl.load(bcast_tok_ptr + row_src * stage_slots + rpos, mask=remote, other=0)
+            rtok = tl.load(bcast_tok_ptr + row_src * stage_slots + pos, mask=remote, other=0)
             rrow = row_src.to(tl.int64) * stage_rows + rtok.to(tl.int64)
             a_ptrs = tl.where(remote[:, None], bcast_x_ptr + rrow[:, None] * H + offs_k[None, :], a_ptrs)
     k_extent = 0 if SKIP_MMA else K
@@ -653,6 +642,7 @@ def _fused_kernel(
     SKIP_MMA: tl.constexpr,
     LOCAL_A: tl.constexpr,
     BCAST_A: tl.constexpr,
+    SPREAD: tl.constexpr,
     B_KN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -727,7 +717,7 @@ def _fused_kernel(
         _trace(trace_ptr, pid, 1, _now(pid, IN_PTX))
     num_m = tl.load(num_tiles_ptr)
     num_local = 0
-    if LOCAL_A:  # the table's first num_local tiles hold only this rank's own rows
+    if LOCAL_A or SPREAD:  # the table's first num_local tiles hold only this rank's own rows
         num_local = tl.load(num_local_tiles_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
     total = num_m * num_n
@@ -755,7 +745,7 @@ def _fused_kernel(
                 row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
                 stride_a, stride_c, max_spins, bcast_x_ptr, bcast_tok_ptr, stage_rows, stage_slots, WAIT,
                 LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR, SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K,
-                GROUP_M, FLAT, IN_PTX, BCAST_A,
+                GROUP_M, FLAT, IN_PTX, BCAST_A, SPREAD,
             )  # fmt: skip
     if TRACE:
         _trace(trace_ptr, pid, 2, _now(pid, IN_PTX))
@@ -771,7 +761,7 @@ def _fused_kernel(
                 row_pos_ptr, tiles_ptr, state_ptr, pool_ready_ptr, comb_ptr, comb_scalar_ptr, N, K, H,
                 stride_a, stride_c, max_spins, bcast_x_ptr, bcast_tok_ptr, stage_rows, stage_slots, WAIT,
                 LOCAL_A, OUT_REMOTE, ROW_SCALE, PUSH_SCALAR, SKIP_MMA, B_KN, BLOCK_M, BLOCK_N, BLOCK_K,
-                GROUP_M, FLAT, IN_PTX, BCAST_A,
+                GROUP_M, FLAT, IN_PTX, BCAST_A, SPREAD,
             )  # fmt: skip
             tile_id = num_static + tl.atomic_add(state_ptr + _TILE, 1)
     if TRACE:

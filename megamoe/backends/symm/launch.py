@@ -17,7 +17,6 @@ from megamoe.backends.symm.kernels import (
     _fused_kernel,
     _gather_broadcast_rows_kernel,
     _pool_weights_kernel,
-    _signal_ready_kernel,
     _wait_kernel,
 )
 from megamoe.backends.symm.layout import SymmLayout
@@ -75,9 +74,11 @@ def begin_op(ws: SymmWorkspace, counts_E: Tensor | None = None) -> None:
         ws.ptrs_dev,
         ws.state,
         counts_E,
+        ws.signal_G,
         ws.rank,
         ws.world,
         E,
+        ws.num_local_experts,
         ws.view("arrive"),
         ws.view("counts"),
         max_spins(),
@@ -159,10 +160,13 @@ def broadcast_rows(
     ws: SymmWorkspace, x_TH: Tensor, send_token_S: Tensor, send_weight_S: Tensor | None = None
 ) -> None:
     """Broadcast mode, after the op's barrier: copy this rank's ``x`` (or ``dy``), send-order tokens
-    [and routing weights] into every peer's workspace, then release ``pool_ready[me, *]`` there.
+    [and routing weights] into every peer's workspace, then ``pool_ready[me, *]`` there.
 
-    On CUDA the copies run on a side stream (``copy_`` between device buffers: the copy engines, no
-    SM) while the GEMM runs; :func:`join_broadcast` joins it back after the GEMM's launch.
+    Everything is ``copy_`` between device buffers mapped by symmetric memory: the copy engines, no SM.
+    The flags are the barrier's ``signal_G`` (this op's epoch per expert), copied right after the rows
+    on the same stream, so a peer that sees them sees the rows, and the GEMM keeps every SM. On CUDA
+    the copies run on a side stream while the GEMM runs; :func:`join_broadcast` joins it back after
+    the GEMM's launch.
     """
     if not ws.shapes["bcast_x"][0][0]:
         raise InvalidConfigError(
@@ -182,11 +186,7 @@ def broadcast_rows(
                 ws.peer_view(d, "bcast_token")[slots].copy_(send_token_S)
                 if send_weight_S is not None:
                     ws.peer_view(d, "bcast_weight")[slots].copy_(send_weight_S)
-        G = ws.num_local_experts
-        _signal_ready_kernel[(1,)](
-            ws.ptrs_dev, ws.state, ws.view("pool_ready"), me, ws.world, G,
-            BLOCK_G=min(triton.next_power_of_2(max(G, 1)), 1024), num_warps=1,
-        )  # fmt: skip
+                ws.peer_view(d, "pool_ready")[me].copy_(ws.signal_G)
 
     if not x_TH.is_cuda:
         copies_then_signal()
@@ -267,6 +267,10 @@ class RemoteOut:
     row_src_R: Tensor
     row_pos_R: Tensor
     scalar_R: Tensor | None = None
+    own_tiles_1: Tensor | None = None
+    """the layout's ``num_local_tiles_1``: the tile table's leading tiles of this rank's own rows, whose
+    outputs stay local; the kernel then takes them in even proportion with the tiles that store to
+    peers, so the NVLink stores run through the whole GEMM instead of its second half."""
 
 
 def fused_gemm(
@@ -308,6 +312,8 @@ def fused_gemm(
         row_src, row_pos = remote.row_src_R, remote.row_pos_R
     else:
         row_src, row_pos = (local_rows.row_src_R, local_rows.row_pos_R) if local_rows else (None, None)
+    spread = remote is not None and remote.own_tiles_1 is not None
+    own_tiles = local_rows.num_local_tiles_1 if local_a else (remote.own_tiles_1 if spread else None)
     cfg = gemm_config(op, a_RK.device)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if b_kn:
@@ -317,8 +323,6 @@ def fused_gemm(
         N, K = b.shape[1], b.shape[2]
         b_desc = TensorDescriptor.from_tensor(b, [1, bn, bk])
     grid = ws.programs or num_programs(a_RK.device)
-    if broadcast is not None and a_RK.is_cuda:
-        grid -= 1  # an SM for the side stream's signal kernel, which the spinning tiles wait for
     H = src_TH.shape[1] if src_TH is not None else 0
     _fused_kernel[(grid,)](
         src_TH,
@@ -339,7 +343,7 @@ def fused_gemm(
         row_pos,
         tiles_X3,
         num_tiles_1,
-        local_rows.num_local_tiles_1 if local_a else None,
+        own_tiles,
         ws.ptrs_dev,
         ws.state,
         ws.view("pool_ready"),
@@ -383,11 +387,12 @@ def fused_gemm(
         SKIP_MMA=skip_mma,
         LOCAL_A=local_a,
         BCAST_A=broadcast is not None,
+        SPREAD=spread,
         B_KN=b_kn,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
-        GROUP_M=8,
+        GROUP_M=cfg.get("GROUP_M", 8),
         COPY_ROWS=32,
         COPY_COLS=512,
         num_warps=cfg["num_warps"],

@@ -85,6 +85,9 @@ class SymmWorkspace:
     state: Tensor
     task_done: Tensor
     """per (peer, expert) task: comm programs done with it in this op (reset by the fused kernel)."""
+    signal_G: Tensor
+    """this op's epoch once per local expert, written by the op's barrier: broadcast mode's copy engines
+    copy it into a peer's ``pool_ready[me, :]`` right after the rows (stream order), so no kernel signals."""
     received_max: Tensor
     """the most routed rows one op brought to this rank since the last :meth:`check_capacity` (device)."""
     capacity_factor: float
@@ -236,6 +239,7 @@ class BufferLayout:
             keepalive=keepalive,
             state=torch.zeros(16, dtype=torch.int32, device=buffer.device),
             task_done=torch.zeros(key.num_experts, dtype=torch.int32, device=buffer.device),
+            signal_G=torch.zeros(key.num_experts // self.world, dtype=torch.int32, device=buffer.device),
             received_max=torch.zeros(1, dtype=torch.int32, device=buffer.device),
             capacity_factor=self.capacity_factor,
             offsets=self.offsets,

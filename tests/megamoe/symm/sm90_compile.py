@@ -15,10 +15,10 @@ import json
 import sys
 
 from megamoe.backends.symm.kernels import (
+    _barrier_kernel,
     _fused_kernel,
     _gather_broadcast_rows_kernel,
     _pool_weights_kernel,
-    _signal_ready_kernel,
 )
 from megamoe.backends.symm.layout import _layout_kernel
 from megamoe.backends.triton.configs import gemm_config
@@ -43,8 +43,8 @@ _UNSPECIALISED += ("num_comm", "tail_pct", "max_spins")
 # launch.fused_gemm's constexprs for push mode with nothing optional; each launch below overrides some
 _DEFAULTS = dict(
     COMM=True, PULL=False, PUSH_WEIGHT=False, WAIT=True, OUT_REMOTE=False, ROW_SCALE=False,
-    PUSH_SCALAR=False, SIGNAL=False, SKIP_MMA=False, LOCAL_A=False, B_KN=False, GROUP_M=8,
-    COPY_ROWS=32, COPY_COLS=512, FLAT=True, IN_PTX=True, TRACE=False, BCAST_A=False,
+    PUSH_SCALAR=False, SIGNAL=False, SKIP_MMA=False, LOCAL_A=False, B_KN=False,
+    COPY_ROWS=32, COPY_COLS=512, FLAT=True, IN_PTX=True, TRACE=False, BCAST_A=False, SPREAD=False,
 )  # fmt: skip
 
 
@@ -53,7 +53,7 @@ def _launch(
 ) -> tuple:
     """One ``launch.fused_gemm`` call: its arguments, with ``none`` absent (``maxnreg``: its ``max_registers``)."""
     cfg = gemm_config(op, CUDA)
-    meta = _DEFAULTS | constexprs | {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    meta = _DEFAULTS | constexprs | {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
     box = [1, cfg["BLOCK_K"], cfg["BLOCK_N"]] if meta["B_KN"] else [1, cfg["BLOCK_N"], cfg["BLOCK_K"]]
     args = dict(_POINTERS) | {name: "i32" for name in _UNSPECIALISED} | meta
     args |= {"b_desc": f"tensordesc<bf16[{','.join(map(str, box))}]>", "H": H, "N": N, "K": K}
@@ -89,7 +89,7 @@ LAUNCHES = {
         "gemm1", N=2 * I, K=H, PUSH_WEIGHT=True, LOCAL_A=True, FLAT=False, none=("row_scale_ptr", "scalar_ptr")
     ),
     "stage2 fwd: GEMM2 to sources (no comm)": _launch(
-        "gemm2", N=H, K=I, COMM=False, WAIT=False, OUT_REMOTE=True, ROW_SCALE=True, SIGNAL=True,
+        "gemm2", N=H, K=I, COMM=False, WAIT=False, OUT_REMOTE=True, SPREAD=True, ROW_SCALE=True, SIGNAL=True,
         none=("c_ptr", "scalar_ptr"),
     ),
     "stage2 bwd: push dy + dgrad2": _launch(
@@ -100,11 +100,11 @@ LAUNCHES = {
         bcast_tok_ptr="*i32", none=("row_scale_ptr", "scalar_ptr"), maxnreg=GEMM_REGISTER_CAP,
     ),
     BESIDE_GATHER[1]: _launch(
-        "dgrad1", N=H, K=2 * I, COMM=False, WAIT=False, B_KN=True, OUT_REMOTE=True, PUSH_SCALAR=True,
+        "dgrad1", N=H, K=2 * I, COMM=False, WAIT=False, B_KN=True, OUT_REMOTE=True, SPREAD=True, PUSH_SCALAR=True,
         SIGNAL=True, none=("row_scale_ptr", "c_ptr"), maxnreg=GEMM_REGISTER_CAP,
     ),
     "stage1 bwd: push x | dgrad1 + dx to sources": _launch(
-        "dgrad1", N=H, K=2 * I, WAIT=False, B_KN=True, OUT_REMOTE=True, PUSH_SCALAR=True, SIGNAL=True,
+        "dgrad1", N=H, K=2 * I, WAIT=False, B_KN=True, OUT_REMOTE=True, SPREAD=True, PUSH_SCALAR=True, SIGNAL=True,
         none=("row_scale_ptr", "c_ptr"),
     ),
 }  # fmt: skip
@@ -129,13 +129,15 @@ def _layout(world: int) -> tuple:
 
 
 LAUNCHES |= {f"stage1 fwd: layout, EP = {w}": _layout(w) for w in (2, 8)}
-LAUNCHES["stage1 fwd: broadcast flags"] = (
-    _signal_ready_kernel,
+LAUNCHES["op barrier with the counts"] = (
+    _barrier_kernel,
     dict(
-        ptrs_dev="i64", state_ptr="*i32", pool_ready_ptr="*i32", rank="i32", world="i32", G="i32", BLOCK_G=32
+        ptrs_dev="i64", state_ptr="*i32", counts_ptr="*i32", signal_ptr="*i32", rank="i32", world="i32",
+        E="i32", G="i32", arrive_ptr="*i32", counts_all_ptr="*i32", max_spins="i32", HAS_COUNTS=True,
+        BLOCK_E=64,
     ),
-    {"num_warps": 1},
-)
+    {"num_warps": 4},
+)  # fmt: skip
 
 LAUNCHES[GATHER] = (
     _gather_broadcast_rows_kernel,
