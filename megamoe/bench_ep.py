@@ -245,7 +245,7 @@ def op_legs(shape, routing: str, group, mode: str) -> tuple[list[OpLegs], Callab
         )
 
     remote = launch.RemoteOut(lay.row_src_R, lay.row_pos_R, own_tiles_1=lay.num_local_tiles_1)
-    remote_scalar = launch.RemoteOut(lay.row_src_R, lay.row_pos_R, wts.float(), lay.num_local_tiles_1)
+    remote_scalar = launch.RemoteOut(lay.row_src_R, lay.row_pos_R, wts.float())  # as stage1_backward
 
     def broadcast() -> bool:
         return launch.dispatch_mode(ws.world) == "broadcast"

@@ -270,7 +270,8 @@ class RemoteOut:
     own_tiles_1: Tensor | None = None
     """the layout's ``num_local_tiles_1``: the tile table's leading tiles of this rank's own rows, whose
     outputs stay local; the kernel then takes them in even proportion with the tiles that store to
-    peers, so the NVLink stores run through the whole GEMM instead of its second half."""
+    peers, so the NVLink stores run through the whole GEMM instead of its second half (stage 2's
+    GEMM2: 1.3-2 % faster on 2 x H200; GEMM1-dgrad, whose stores are half as dense, passes None)."""
 
 
 def fused_gemm(

@@ -100,11 +100,11 @@ LAUNCHES = {
         bcast_tok_ptr="*i32", none=("row_scale_ptr", "scalar_ptr"), maxnreg=GEMM_REGISTER_CAP,
     ),
     BESIDE_GATHER[1]: _launch(
-        "dgrad1", N=H, K=2 * I, COMM=False, WAIT=False, B_KN=True, OUT_REMOTE=True, SPREAD=True, PUSH_SCALAR=True,
+        "dgrad1", N=H, K=2 * I, COMM=False, WAIT=False, B_KN=True, OUT_REMOTE=True, PUSH_SCALAR=True,
         SIGNAL=True, none=("row_scale_ptr", "c_ptr"), maxnreg=GEMM_REGISTER_CAP,
     ),
     "stage1 bwd: push x | dgrad1 + dx to sources": _launch(
-        "dgrad1", N=H, K=2 * I, WAIT=False, B_KN=True, OUT_REMOTE=True, SPREAD=True, PUSH_SCALAR=True, SIGNAL=True,
+        "dgrad1", N=H, K=2 * I, WAIT=False, B_KN=True, OUT_REMOTE=True, PUSH_SCALAR=True, SIGNAL=True,
         none=("row_scale_ptr", "c_ptr"),
     ),
 }  # fmt: skip

@@ -9,6 +9,8 @@ EP = 2 and 4 on the 4-GPU one):
   on the same kernels (a pool or combine slot reused too early would show here);
 * CUDA-graph capture of a full forward + backward, replayed on new inputs and new routing;
 * determinism: the same step twice gives the same bits;
+* ``torch.compile`` of a module around the layer: the same bits as eager, forward and backward (the
+  symmetric-memory ops run eagerly inside it, one graph break each);
 
 the first three in push mode and in broadcast mode (``MEGAMOE_SYMM_DISPATCH=broadcast``).
 """
@@ -209,3 +211,35 @@ def _determinism_rank(rank: int, world: int) -> bool:
 @pytest.mark.parametrize("world", WORLDS)
 def test_same_bits_every_run(tmp_path, world) -> None:
     assert all(run_ranks(_determinism_rank, world, tmp_path, backend="nccl", timeout=600))
+
+
+def _compile_rank(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from megamoe import fused_mega_moe
+
+    torch._dynamo.config.disable = False  # the rank workers start with dynamo off (tests/_dist.py)
+    group = dist.group.WORLD
+    w1, w2 = (_local(w, rank) for w in _weights(0))
+
+    def block(x, idx, tw, w1, w2):  # torch ops around the layer for inductor, exact in bf16 either way
+        return x + fused_mega_moe(x * 0.5, idx, tw * 2.0, w1, w2, group=group, backend="triton")
+
+    compiled = torch.compile(block)
+    results = {}
+    for trial in range(2):  # new routing and a new token count: recompiled or not, the same bits
+        x, idx, tw, dy = _inputs(1500 - 700 * rank + 100 * trial, seed=10 * trial + rank)
+        outs = []
+        for fn in (block, compiled):
+            leaves = [t.detach().clone().requires_grad_() for t in (x, tw, w1, w2)]
+            y = fn(leaves[0], idx, *leaves[1:])
+            outs.append((y, *torch.autograd.grad(y, leaves, dy)))
+        for name, eager, got in zip(GRADS, *outs, strict=True):
+            results[f"trial {trial} {name}"] = torch.equal(eager, got)
+    return results
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_torch_compile_of_a_block_around_the_layer_gives_eager_bits(tmp_path, world) -> None:
+    for rank, report in enumerate(run_ranks(_compile_rank, world, tmp_path, backend="nccl", timeout=600)):
+        assert all(report.values()), f"rank {rank}: torch.compile differs from eager: {report}"
