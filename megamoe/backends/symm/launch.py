@@ -160,7 +160,7 @@ def broadcast_rows(
     ws: SymmWorkspace, x_TH: Tensor, send_token_S: Tensor, send_weight_S: Tensor | None = None
 ) -> None:
     """Broadcast mode, after the op's barrier: copy this rank's ``x`` (or ``dy``), send-order tokens
-    [and routing weights] into every peer's workspace, then ``pool_ready[me, *]`` there.
+    [and routing weights] into every peer's workspace, then set the flags ``pool_ready[me, *]`` there.
 
     Everything is ``copy_`` between device buffers mapped by symmetric memory: the copy engines, no SM.
     The flags are the barrier's ``signal_G`` (this op's epoch per expert), copied right after the rows
