@@ -109,10 +109,11 @@ def _agree_on_errors(
 ) -> None:
     """Every EP rank raises if any rank's input is bad, instead of the good ranks hanging in a collective.
 
-    Only for CPU process groups: on GPUs the flag exchange would be a host sync in every forward, and
-    shape errors there are raised before any collective on every rank alike.
+    Only for CPU process groups in eager mode: on GPUs the flag exchange would be a host sync in every
+    forward, and shape errors there are raised before any collective on every rank alike; under
+    torch.compile the checks run while tracing, as on GPUs.
     """
-    if _ep_size(group) > 1 and device.type == "cpu":
+    if _ep_size(group) > 1 and device.type == "cpu" and not torch.compiler.is_compiling():
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if error is None and int(flag.item()):
@@ -124,27 +125,38 @@ def _agree_on_errors(
 
 
 class _DispatchGroupedGemm(torch.autograd.Function):
-    """``(h, dispatch_weights, act)``; ``act`` is empty when the backend gave none, never differentiable."""
+    """``(h, dispatch_weights, act, *state)``; ``act`` is empty when the backend gave none, never
+    differentiable; ``state``: the tensors a backend's plan gains in stage 1 (see :func:`_with_state`)."""
 
     @staticmethod
     def forward(ctx, x, topk_weights, w1, handle: MegaMoEHandle):
-        h, dispatch_weights, act = handle.backend.stage1_forward(x, topk_weights, w1, handle.plan)
+        h, dispatch_weights, act, *state = handle.backend.stage1_forward(x, topk_weights, w1, handle.plan)
         if act is None:
             act = h.new_empty(0)
-        ctx.mark_non_differentiable(act)
-        ctx.save_for_backward(x, w1)
+        ctx.mark_non_differentiable(act, *state)
+        ctx.save_for_backward(x, w1, *state)
         ctx.handle = handle
-        return h, dispatch_weights, act
+        return h, dispatch_weights, act, *state
 
     @staticmethod
-    def backward(ctx, grad_h, grad_dispatch_weights, grad_act):
-        x, w1 = ctx.saved_tensors
-        handle: MegaMoEHandle = ctx.handle
+    def backward(ctx, grad_h, grad_dispatch_weights, grad_act, *grad_state):
+        x, w1, *state = ctx.saved_tensors
+        handle = _with_state(ctx.handle, state)
         needs = tuple(ctx.needs_input_grad[:3])
         dx, d_topk_weights, dw1 = handle.backend.stage1_backward(
             x, w1, handle.plan, grad_h.contiguous(), grad_dispatch_weights.contiguous(), needs
         )
         return dx, d_topk_weights, dw1, None
+
+
+def _with_state(handle: MegaMoEHandle, state) -> MegaMoEHandle:
+    """The handle whose plan holds what stage 1 returned after ``act``: a backend whose plan is complete
+    only after stage 1 (the symmetric-memory EP path: its layout comes from stage 1's count exchange)
+    returns it as tensors, and its ``with_stage1_state`` folds them in. Nothing is mutated, so
+    torch.compile sees plain dataflow."""
+    if not state:
+        return handle
+    return replace(handle, plan=handle.backend.with_stage1_state(handle.plan, tuple(state)))
 
 
 class _GroupedGemmCombine(torch.autograd.Function):
@@ -212,7 +224,8 @@ def dispatch_grouped_gemm(
         h, dispatch_weights, plan = impl.stage1(x, topk_idx, topk_weights, w1, group)
         return h, dispatch_weights, MegaMoEHandle(impl, plan, x.shape[0])
     handle = _make_handle(impl, x, topk_idx, w1, group)
-    h, dispatch_weights, act = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
+    h, dispatch_weights, act, *state = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
+    handle = _with_state(handle, state)
     if act.numel():
         version = 0 if torch.compiler.is_compiling() else h._version
         handle = replace(handle, act=act, act_of=(h, version))
@@ -259,5 +272,5 @@ def fused_mega_moe(
     if getattr(impl, "native_autograd", False):
         return impl.fused(x, topk_idx, topk_weights, w1, w2, group)
     handle = _make_handle(impl, x, topk_idx, w1, group)
-    h, dispatch_weights, act = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
-    return _GroupedGemmCombine.apply(h, dispatch_weights, w2, handle, act)
+    h, dispatch_weights, act, *state = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
+    return _GroupedGemmCombine.apply(h, dispatch_weights, w2, _with_state(handle, state), act)

@@ -15,7 +15,10 @@ on only for the unmodified ``h`` it belongs to.
 A backend's ``plan`` is opaque to :mod:`megamoe.ops`: it is built once per forward from ``topk_idx``
 and handed back to every other call (forward and backward), so a backend can keep its routing tables,
 all-to-all splits or device-side tile tables there. The plan must not hold the dispatched ``x``:
-backward recomputes it (the contract says the forward keeps only the original ``x``).
+backward recomputes it (the contract says the forward keeps only the original ``x``). A plan that is
+complete only after stage 1 (the symmetric-memory EP path learns its layout in stage 1's count
+exchange) is never mutated: stage 1 returns the extra tensors after ``act`` and the backend's
+``with_stage1_state(plan, state)`` gives the plan every later call gets, so torch.compile sees dataflow.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ class ExpertBackend(Protocol):
 
     def stage1_forward(
         self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: Any
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
+    ) -> tuple[Tensor | None, ...]:
         """Dispatch + GEMM1: return ``h_R2I`` (pre-SwiGLU), ``dispatch_weights_R`` and ``act_RI``:
-        ``swiglu(h_R2I)`` when the backend computed it alongside ``h`` (same bits), else None."""
+        ``swiglu(h_R2I)`` when the backend computed it alongside ``h`` (same bits), else None; then,
+        only for a backend with ``with_stage1_state``, the tensors its plan gains in stage 1."""
         ...
 
     def stage1_backward(

@@ -54,11 +54,20 @@ class SymmPlan:
     """the pool rows as a routing plan over the local experts (for the shared Triton kernels)."""
 
 
-def _eager(method):
-    """Run ``method`` eagerly under torch.compile (a graph break around it): the symmetric-memory launches
-    carry raw device addresses (the peers' buffer table), a side stream and its events, which dynamo
-    does not trace. CUDA graphs capture them (nothing here syncs with the host)."""
-    return torch.compiler.disable(method)
+def recv_plan(ws: SymmWorkspace, layout: SymmLayout, block_m: int) -> RoutingPlan:
+    """The pool rows as a routing plan over the local experts (what the shared Triton kernels take)."""
+    return RoutingPlan(
+        num_tokens=ws.pool_rows,
+        topk=1,
+        num_experts=ws.num_local_experts,
+        block_m=block_m,
+        row_slot_R=layout.row_pos_R,
+        row_token_R=layout.row_pos_R,
+        slot_row_S=layout.row_pos_R,
+        expert_start_G1=layout.expert_start_G1,
+        tiles_X3=layout.tiles_X3,
+        num_tiles_1=layout.num_tiles_1,
+    )
 
 
 def _counts(send: RoutingPlan) -> Tensor:
@@ -71,7 +80,6 @@ class SymmBackend:
 
     name = "triton_symm"
 
-    @_eager
     def make_plan(
         self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
     ) -> SymmPlan:
@@ -104,19 +112,7 @@ class SymmBackend:
             epoch_1=ws.state[:1],
         )
         ws.note_received(layout.received_rows_1)
-        plan.ws, plan.layout = ws, layout
-        plan.recv = RoutingPlan(
-            num_tokens=ws.pool_rows,
-            topk=1,
-            num_experts=ws.num_local_experts,
-            block_m=s.block_m,
-            row_slot_R=layout.row_pos_R,
-            row_token_R=layout.row_pos_R,
-            slot_row_S=layout.row_pos_R,
-            expert_start_G1=layout.expert_start_G1,
-            tiles_X3=layout.tiles_X3,
-            num_tiles_1=layout.num_tiles_1,
-        )
+        plan.ws, plan.layout, plan.recv = ws, layout, recv_plan(ws, layout, s.block_m)
 
     def _dispatch(self, plan: SymmPlan, src_TH: Tensor, weights_TK: Tensor | None = None) -> launch.Dispatch:
         s, lay = plan.send, plan.layout
@@ -150,7 +146,6 @@ class SymmBackend:
             launch.gather_broadcast_rows(ws, plan.layout, src_TH, s.row_token_R)
         launch.join_broadcast(ws)
 
-    @_eager
     def stage1_forward(
         self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: SymmPlan
     ) -> tuple[Tensor, Tensor, None]:
@@ -192,7 +187,6 @@ class SymmBackend:
         launch.check(ws)
         return h, weights
 
-    @_eager
     def stage2_forward(
         self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: SymmPlan, act_RI: None = None
     ) -> Tensor:
@@ -217,7 +211,6 @@ class SymmBackend:
         launch.check(ws)
         return y
 
-    @_eager
     def stage2_backward(
         self,
         h_R2I: Tensor,
@@ -265,7 +258,6 @@ class SymmBackend:
             dw2,
         )
 
-    @_eager
     def stage1_backward(
         self,
         x_TH: Tensor,

@@ -283,6 +283,11 @@ def debug_enabled() -> bool:
 _WORKSPACES: dict[WorkspaceKey, SymmWorkspace] = {}
 
 
+def find_workspace(key: WorkspaceKey) -> SymmWorkspace | None:
+    """The workspace of ``key`` if one was allocated (no collective)."""
+    return _WORKSPACES.get(key)
+
+
 def get_workspace(
     group: dist.ProcessGroup,
     *,

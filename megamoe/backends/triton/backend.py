@@ -29,7 +29,8 @@ from torch import Tensor
 
 from megamoe.backends import ep_transport
 from megamoe.backends.exchange import TokenExchange
-from megamoe.backends.symm.backend import SymmBackend, SymmPlan
+from megamoe.backends.symm import ops as symm_ops
+from megamoe.backends.symm.ops import SymmState
 from megamoe.backends.triton import ops
 from megamoe.backends.triton.configs import block_m
 from megamoe.backends.triton.routing import RoutingPlan, build_routing_plan
@@ -47,6 +48,13 @@ class TritonPlan:
         return (r.block_m, r.row_token_R, r.slot_row_S, r.expert_start_G1, r.tiles_X3, r.num_tiles_1)
 
 
+def _asked(
+    grads: tuple[Tensor, Tensor, Tensor], needs_grad: tuple[bool, bool, bool]
+) -> tuple[Tensor | None, ...]:
+    """None for the gradients not asked for (the custom ops return them with no elements)."""
+    return tuple(g if need else None for g, need in zip(grads, needs_grad, strict=True))
+
+
 def _ep_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
 
@@ -54,21 +62,20 @@ def _ep_size(group: dist.ProcessGroup | None) -> int:
 class TritonBackend:
     """Implements :class:`~megamoe.backends.base.ExpertBackend` with the kernels of this package.
 
-    With EP > 1 over symmetric memory every call is handed to :class:`SymmBackend` (its plan says so).
+    With EP > 1 over symmetric memory every step is one of :mod:`megamoe.backends.symm.ops`' custom ops
+    (the plan is a :class:`SymmState`); stage 1 returns the plan's tensors after ``act``, and
+    :meth:`with_stage1_state` hands them to the later steps.
     """
 
     name = "triton"
 
-    def __init__(self) -> None:
-        self._symm = SymmBackend()
-
     def make_plan(
         self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
-    ) -> TritonPlan | SymmPlan:
+    ) -> TritonPlan | SymmState:
         ep = _ep_size(group)
         bm = block_m(topk_idx_TK.device)
         if ep > 1 and ep_transport(topk_idx_TK.device) == "symm":
-            return self._symm.make_plan(topk_idx_TK, num_experts=num_experts, group=group)
+            return SymmState(group.group_name, num_experts, topk_idx_TK)
         if ep == 1:
             return TritonPlan(build_routing_plan(topk_idx_TK, num_experts=num_experts, block_m=bm), None)
         exchange = TokenExchange.build(topk_idx_TK, num_experts=num_experts, group=group)
@@ -79,11 +86,20 @@ class TritonBackend:
         routing = build_routing_plan(local_expert_R1, num_experts=exchange.num_local_experts, block_m=bm)
         return TritonPlan(routing, exchange)
 
+    def with_stage1_state(
+        self, plan: TritonPlan | SymmState, state: tuple[Tensor, ...]
+    ) -> TritonPlan | SymmState:
+        """The plan with what stage 1 returned after ``act`` (the symmetric-memory path's layout)."""
+        return plan.with_state(state) if isinstance(plan, SymmState) else plan
+
     def stage1_forward(
-        self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: TritonPlan | SymmPlan
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        if isinstance(plan, SymmPlan):  # the fused EP kernels run SwiGLU as a pass in stage 2: no act
-            return self._symm.stage1_forward(x_TH, topk_weights_TK, w1_G2IH, plan)
+        self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: TritonPlan | SymmState
+    ) -> tuple[Tensor, ...]:
+        if isinstance(plan, SymmState):  # the fused EP kernels run SwiGLU as a pass in stage 2: no act
+            h, weights, *state = symm_ops.stage1_forward(
+                x_TH, plan.topk_idx_TK, topk_weights_TK, w1_G2IH, plan.group_name, plan.num_experts
+            )
+            return (h, weights, None, *state)
         r = plan.routing
         if plan.exchange is None:
             rows = x_TH.contiguous()
@@ -98,15 +114,17 @@ class TritonBackend:
         self,
         x_TH: Tensor,
         w1_G2IH: Tensor,
-        plan: TritonPlan | SymmPlan,
+        plan: TritonPlan | SymmState,
         grad_h_R2I: Tensor,
         grad_dispatch_weights_R: Tensor,
         needs_grad: tuple[bool, bool, bool],
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        if isinstance(plan, SymmPlan):
-            return self._symm.stage1_backward(
-                x_TH, w1_G2IH, plan, grad_h_R2I, grad_dispatch_weights_R, needs_grad
-            )
+        if isinstance(plan, SymmState):
+            grads = symm_ops.stage1_backward(
+                x_TH, w1_G2IH, grad_h_R2I, grad_dispatch_weights_R, list(plan.state), plan.group_name,
+                plan.num_experts, plan.topk_idx_TK.shape[1], *needs_grad,
+            )  # fmt: skip
+            return _asked(grads, needs_grad)
         need_dx, need_dweights, need_dw1 = needs_grad
         r = plan.routing
         ex = plan.exchange
@@ -135,11 +153,14 @@ class TritonBackend:
         h_R2I: Tensor,
         dispatch_weights_R: Tensor,
         w2_GHI: Tensor,
-        plan: TritonPlan | SymmPlan,
+        plan: TritonPlan | SymmState,
         act_RI: Tensor | None = None,
     ) -> Tensor:
-        if isinstance(plan, SymmPlan):
-            return self._symm.stage2_forward(h_R2I, dispatch_weights_R, w2_GHI, plan)
+        if isinstance(plan, SymmState):
+            T, K = plan.topk_idx_TK.shape
+            return symm_ops.stage2_forward(
+                h_R2I, dispatch_weights_R, w2_GHI, list(plan.state), plan.group_name, plan.num_experts, T, K
+            )
         r = plan.routing
         h = h_R2I.contiguous()
         y = ops.gemm2_combine_forward(
@@ -160,12 +181,16 @@ class TritonBackend:
         h_R2I: Tensor,
         dispatch_weights_R: Tensor,
         w2_GHI: Tensor,
-        plan: TritonPlan | SymmPlan,
+        plan: TritonPlan | SymmState,
         dy_TH: Tensor,
         needs_grad: tuple[bool, bool, bool],
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        if isinstance(plan, SymmPlan):
-            return self._symm.stage2_backward(h_R2I, dispatch_weights_R, w2_GHI, plan, dy_TH, needs_grad)
+        if isinstance(plan, SymmState):
+            grads = symm_ops.stage2_backward(
+                h_R2I, dispatch_weights_R, w2_GHI, dy_TH, list(plan.state), plan.group_name, plan.num_experts,
+                plan.topk_idx_TK.shape[1], *needs_grad,
+            )  # fmt: skip
+            return _asked(grads, needs_grad)
         need_dh, need_dweights, need_dw2 = needs_grad
         r = plan.routing
         dy = dy_TH.to(h_R2I.dtype).contiguous()
