@@ -3,7 +3,9 @@ workspace in host shared memory, the kernels under ``TRITON_INTERPRET=1`` (as te
 
 * every op's fake implementation gives the shapes and dtypes of its real outputs, with the pool size
   taken from ``MEGAMOE_SYMM_MAX_TOKENS`` before the workspace exists;
-* ``torch.compile(fullgraph=True)`` of the whole layer, forward and backward, gives eager's bits.
+* ``torch.compile(fullgraph=True)`` of the whole layer, forward and backward, gives eager's bits;
+* the two-stage API (``dispatch_grouped_gemm`` then ``grouped_gemm_combine``, what ``MegaMoELayer``
+  calls), whose handle carries stage 1's layout, gives the fused op's bits.
 
 The GPU run of the compiled layer (inductor) is in test_gpu_symm.py.
 """
@@ -122,3 +124,28 @@ def test_tracing_before_the_workspace_exists_needs_its_size(monkeypatch) -> None
         symm_ops.pool_rows(key, 2)
     monkeypatch.setenv("MEGAMOE_SYMM_MAX_TOKENS", "10")
     assert symm_ops.pool_rows(key, 2) == 2 * 10 * K  # capacity 2: the worst case at EP = 2
+
+
+def _two_stage_rank(rank: int, world: int) -> dict[str, bool]:
+    from megamoe import dispatch_grouped_gemm, fused_mega_moe, grouped_gemm_combine
+
+    group, x, idx, tw, w1, w2, dy = _setup(rank, world)
+
+    def two_stage(x, tw, w1, w2):  # what MegaMoELayer calls: the handle carries stage 1's layout
+        h, dispatch_weights, handle = dispatch_grouped_gemm(x, idx, tw, w1, group, backend="triton")
+        return grouped_gemm_combine(h, dispatch_weights, handle, w2)
+
+    def fused(x, tw, w1, w2):
+        return fused_mega_moe(x, idx, tw, w1, w2, group=group, backend="triton")
+
+    outs = []
+    for fn in (fused, two_stage):
+        leaves = [t.clone().requires_grad_() for t in (x, tw, w1, w2)]
+        y = fn(*leaves)
+        outs.append((y.detach(), *torch.autograd.grad(y, leaves, dy)))
+    return {name: torch.equal(a, b) for name, a, b in zip(GRADS, *outs, strict=True)}
+
+
+def test_the_two_stage_api_gives_the_fused_op_bits(tmp_path) -> None:
+    for rank, report in enumerate(run_ranks(_two_stage_rank, 2, tmp_path, timeout=600)):
+        assert all(report.values()), f"rank {rank}: two stages differ from the fused op: {report}"
