@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megamoe.backends.triton.routing import tile_table_rows
+
 
 @dataclass(frozen=True, slots=True)
 class SymmLayout:
@@ -74,7 +76,7 @@ def build_layout(
     W, E = counts_WE.shape[-2:]
     G, P = num_local_experts, pool_rows
     device = counts_WE.device
-    max_tiles = -(-P // block_m) + G
+    max_tiles = tile_table_rows(P, G, block_m)
     i32 = dict(dtype=torch.int32, device=device)
     out = SymmLayout(
         send_dest_row_E=torch.empty(E, **i32),

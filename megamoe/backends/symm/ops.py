@@ -7,7 +7,7 @@ its events. Between the steps the plan travels as tensors (:data:`STATE_FIELDS`:
 routing tables and the layout of stage 1's count exchange), so no step mutates an object that
 torch.compile would have to track, and the workspace is found again by its key. Every output has a
 static shape; the fake implementations need the workspace's pool rows P before the first step runs,
-from the workspace itself or from ``MEGAMOE_SYMM_MAX_TOKENS`` (:func:`pool_rows`).
+from the workspace itself or from ``MEGAMOE_SYMM_MAX_TOKENS`` (:func:`~.workspace.pool_rows`).
 
 Stage 1's op does the routing sort, the count exchange, the layout and dispatch + GEMM1, as
 :class:`~.backend.SymmBackend` does eagerly: the layout needs the exchanged counts, and pull mode stages
@@ -16,20 +16,17 @@ Stage 1's op does the routing sort, the count exchange, the layout and dispatch 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-import triton
 from torch import Tensor
 
 from megamoe.backends.symm.backend import SymmBackend, SymmPlan, recv_plan
 from megamoe.backends.symm.layout import SymmLayout
-from megamoe.backends.symm.workspace import BufferLayout, WorkspaceKey, capacity_factor, find_workspace
+from megamoe.backends.symm.workspace import WorkspaceKey, find_workspace, pool_rows
 from megamoe.backends.triton.configs import block_m
-from megamoe.backends.triton.routing import RoutingPlan
-from megamoe.errors import InvalidConfigError
+from megamoe.backends.triton.routing import RoutingPlan, tile_table_rows
 
 SEND_FIELDS = ("row_slot_R", "row_token_R", "slot_row_S", "expert_start_G1", "tiles_X3", "num_tiles_1")
 LAYOUT_FIELDS = tuple(SymmLayout.__dataclass_fields__)
@@ -55,24 +52,6 @@ class SymmState:
 
 def _group(group_name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(group_name)
-
-
-def pool_rows(key: WorkspaceKey, world: int) -> int:
-    """The pool rows P of ``key``'s workspace: its own if it exists, else what ``MEGAMOE_SYMM_MAX_TOKENS``
-    sizes it to (the fake implementations run before the first step allocates it)."""
-    ws = find_workspace(key)
-    if ws is not None:
-        return ws.pool_rows
-    env = os.environ.get("MEGAMOE_SYMM_MAX_TOKENS")
-    if not env:
-        raise InvalidConfigError(
-            "MEGAMOE_SYMM_MAX_TOKENS",
-            "unset",
-            "torch.compile traces the EP path before its symmetric workspace exists, and the workspace's "
-            "size (the largest token count over the group) is only agreed at its first eager use",
-            "Set MEGAMOE_SYMM_MAX_TOKENS (tokens per rank) on every rank, or run one step eagerly first",
-        )
-    return BufferLayout.build(key, world, max(int(env), 1), capacity_factor()).pool_rows
 
 
 def _plan(
@@ -123,8 +102,8 @@ def _(x_TH, topk_idx_TK, topk_weights_TK, w1_G2IH, group_name, num_experts):
     def i32(*shape: int) -> Tensor:
         return torch.empty(shape, dtype=torch.int32, device=x_TH.device)
 
-    send = [i32(S), i32(S), i32(S), i32(num_experts + 1), i32(triton.cdiv(S, bm) + num_experts, 3), i32(1)]
-    layout = [i32(num_experts), i32(G + 1), i32(triton.cdiv(P, bm) + G, 3), i32(1), i32(1), i32(P), i32(P)]
+    send = [i32(S), i32(S), i32(S), i32(num_experts + 1), i32(tile_table_rows(S, num_experts, bm), 3), i32(1)]
+    layout = [i32(num_experts), i32(G + 1), i32(tile_table_rows(P, G, bm), 3), i32(1), i32(1), i32(P), i32(P)]
     layout += [i32(1), i32(G * world), i32(G * world), i32(G * world)]
     return [x_TH.new_empty(P, w1_G2IH.shape[1]), topk_weights_TK.new_empty(P), *send, *layout]
 

@@ -288,6 +288,31 @@ def find_workspace(key: WorkspaceKey) -> SymmWorkspace | None:
     return _WORKSPACES.get(key)
 
 
+def _env_max_tokens() -> int | None:
+    """``MEGAMOE_SYMM_MAX_TOKENS``, the tokens per rank a workspace holds, or None when unset."""
+    env = os.environ.get("MEGAMOE_SYMM_MAX_TOKENS")
+    return int(env) if env else None
+
+
+def pool_rows(key: WorkspaceKey, world: int) -> int:
+    """The pool rows P of ``key``'s workspace: its own if it exists, else what ``MEGAMOE_SYMM_MAX_TOKENS``
+    sizes it to, with no collective (torch.compile traces the EP path before its first step allocates
+    the workspace)."""
+    ws = find_workspace(key)
+    if ws is not None:
+        return ws.pool_rows
+    max_tokens = _env_max_tokens()
+    if max_tokens is None:
+        raise InvalidConfigError(
+            "MEGAMOE_SYMM_MAX_TOKENS",
+            "unset",
+            "torch.compile traces the EP path before its symmetric workspace exists, and the workspace's "
+            "size (the largest token count over the group) is only agreed at its first eager use",
+            "Set MEGAMOE_SYMM_MAX_TOKENS (tokens per rank) on every rank, or run one step eagerly first",
+        )
+    return BufferLayout.build(key, world, max(max_tokens, 1), capacity_factor()).pool_rows
+
+
 def get_workspace(
     group: dist.ProcessGroup,
     *,
@@ -325,10 +350,8 @@ def _allocate(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if key.num_experts % world:
         raise MegaMoEError("num_experts", key.num_experts, f"does not split over {world} EP ranks")
-    env = os.environ.get("MEGAMOE_SYMM_MAX_TOKENS")
-    if env:
-        max_tokens = int(env)
-    else:
+    max_tokens = _env_max_tokens()
+    if max_tokens is None:
         bound = torch.tensor([num_tokens], dtype=torch.int64, device=device)
         dist.all_reduce(bound, op=dist.ReduceOp.MAX, group=group)
         max_tokens = int(bound.item())

@@ -34,6 +34,12 @@ OFFSET_COLUMNS = 16
 columns in parallel (at 128 experts it is 2048 x 256 and one program took 0.4 ms on an H200)."""
 
 
+def tile_table_rows(rows: int, experts: int, block_m: int) -> int:
+    """Rows of a tile table over ``rows`` expert-sorted rows: one per BLOCK_M rows, plus one per expert
+    for its partial last tile."""
+    return triton.cdiv(rows, block_m) + experts
+
+
 @dataclass(frozen=True, slots=True)
 class RoutingPlan:
     """Device-side routing of one forward, reused by its backward; holds no activations."""
@@ -191,7 +197,7 @@ def build_routing_plan(topk_idx_TK: Tensor, *, num_experts: int, block_m: int) -
     block_s = 16 if interpret else max(16, min(1024, 16384 // bins))
     num_blocks = triton.cdiv(S, block_s)
     warps = 1 if interpret else 8
-    max_tiles = triton.cdiv(S, block_m) + G
+    max_tiles = tile_table_rows(S, G, block_m)
     idx_S = topk_idx_TK.reshape(-1)
     counts = torch.empty(max(num_blocks, 1), bins, dtype=torch.int32, device=device)
     base = torch.empty_like(counts)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megamoe.backends.symm import ops as symm_ops
-from megamoe.backends.symm.workspace import WorkspaceKey
+from megamoe.backends.symm.workspace import WorkspaceKey, pool_rows
 from megamoe.errors import InvalidConfigError
 from tests._dist import run_ranks
 from tests.megamoe.triton.test_backend import GRADS, _case
@@ -121,9 +121,9 @@ def test_tracing_before_the_workspace_exists_needs_its_size(monkeypatch) -> None
     monkeypatch.delenv("MEGAMOE_SYMM_MAX_TOKENS", raising=False)
     key = WorkspaceKey("no-such-group", K, E, H, torch.float32)
     with pytest.raises(InvalidConfigError, match="MEGAMOE_SYMM_MAX_TOKENS"):
-        symm_ops.pool_rows(key, 2)
+        pool_rows(key, 2)
     monkeypatch.setenv("MEGAMOE_SYMM_MAX_TOKENS", "10")
-    assert symm_ops.pool_rows(key, 2) == 2 * 10 * K  # capacity 2: the worst case at EP = 2
+    assert pool_rows(key, 2) == 2 * 10 * K  # capacity 2: the worst case at EP = 2
 
 
 def _two_stage_rank(rank: int, world: int) -> dict[str, bool]:
