@@ -68,14 +68,14 @@ def _legs(world: int) -> list[tuple[str, float]]:
 
     def prologue():
         p = sb.make_plan(idx, num_experts=E, group=dist.group.WORLD)
-        sb._exchange(p, x, tw)
+        sb.exchange(p, x, tw)
 
     def kernel(local_a: bool = True, tiles: torch.Tensor | None = None, push: bool = True):
         launch.begin_op(ws)
         launch.fused_gemm(
             ws, op="gemm1", a_RK=pool, b=w1, b_kn=False, tiles_X3=lay.tiles_X3,
             num_tiles_1=lay.num_tiles_1 if tiles is None else tiles, out_RN=h,
-            push=sb._dispatch(plan, x, tw) if push else None, wait=push and tiles is None,
+            push=sb.dispatch(plan, x, tw) if push else None, wait=push and tiles is None,
             local_rows=lay if local_a and push else None,
         )  # fmt: skip
 

@@ -256,7 +256,7 @@ def op_legs(shape, routing: str, group, mode: str) -> tuple[list[OpLegs], Callab
 
     def fwd1_start(planned: bool):
         if not planned:  # [pull staging,] the count exchange with the barrier, the layout
-            return sb._exchange(plan, x, tw)
+            return sb.exchange(plan, x, tw)
         if launch.dispatch_mode(ws.world) == "pull":
             launch.stage_for_pull(ws, x, s.row_token_R, s.row_values_R(tw).float())
         launch.begin_op(ws)
@@ -274,7 +274,7 @@ def op_legs(shape, routing: str, group, mode: str) -> tuple[list[OpLegs], Callab
                  broadcast=(x, s.row_token_R))  # fmt: skip
             launch.join_broadcast(ws)
             return
-        push = sb._dispatch(plan, x, tw)
+        push = sb.dispatch(plan, x, tw)
         gemm("gemm1", pool, w1, False, num_tiles_1=no_tiles, out_RN=h, push=push, local_rows=lay)
 
     def fwd1_gemm():
@@ -295,7 +295,7 @@ def op_legs(shape, routing: str, group, mode: str) -> tuple[list[OpLegs], Callab
         combine(local_h, s.slot_row_S, y, topk=s.topk, weights_R=None)
 
     def bwd2_broadcast(num_tiles_1):  # copies, dgrad tiles gathering them, the pool filled beside
-        sb._begin(plan)
+        sb.begin(plan)
         sb._broadcast_dgrad(
             plan, dy, gather_pool=True, op="dgrad2", a_RK=pool, b=w2, b_kn=True, tiles_X3=lay.tiles_X3,
             num_tiles_1=num_tiles_1, out_RN=da, wait=True, local_rows=lay, broadcast=(dy, s.row_token_R),
@@ -304,15 +304,15 @@ def op_legs(shape, routing: str, group, mode: str) -> tuple[list[OpLegs], Callab
     def bwd2_full():
         if broadcast():
             return bwd2_broadcast(lay.num_tiles_1)
-        d = sb._dispatch(plan, dy)
-        sb._begin(plan, d)
+        d = sb.dispatch(plan, dy)
+        sb.begin(plan, d)
         gemm("dgrad2", pool, w2, True, out_RN=da, push=d, wait=True)
 
     def bwd2_comm():
         if broadcast():
             return bwd2_broadcast(no_tiles)
-        d = sb._dispatch(plan, dy)
-        sb._begin(plan, d)
+        d = sb.dispatch(plan, dy)
+        sb.begin(plan, d)
         gemm("dgrad2", pool, w2, True, num_tiles_1=no_tiles, out_RN=da, push=d)
 
     def bwd2_gemm():
@@ -320,14 +320,14 @@ def op_legs(shape, routing: str, group, mode: str) -> tuple[list[OpLegs], Callab
 
     def bwd1(skip_mma: bool):
         if broadcast():  # x copied to the peers, the pool filled beside the dgrad
-            sb._begin(plan)
+            sb.begin(plan)
             sb._broadcast_dgrad(
                 plan, x, gather_pool=True, op="dgrad1", a_RK=dh, b=w1, b_kn=True, tiles_X3=lay.tiles_X3,
                 num_tiles_1=lay.num_tiles_1, remote=remote_scalar, skip_mma=skip_mma,
             )  # fmt: skip
         else:
-            d = sb._dispatch(plan, x)
-            sb._begin(plan, d)
+            d = sb.dispatch(plan, x)
+            sb.begin(plan, d)
             gemm("dgrad1", dh, w1, True, push=d, remote=remote_scalar, skip_mma=skip_mma)
         launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
         combine(ws.view("combine"), s.slot_row_S, y, topk=s.topk, weights_R=None)
@@ -420,20 +420,23 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     return results
 
 
-def bench_layer(name: str, shape, routing: str, group) -> list[LayerResult]:
-    """``fused_mega_moe`` forward + backward against the NCCL all-to-all + ``_grouped_mm`` pipeline."""
+def bench_layer(name: str, shape, routing: str, group, precision: str = "bf16") -> list[LayerResult]:
+    """``fused_mega_moe`` forward + backward against the NCCL all-to-all + ``_grouped_mm`` pipeline;
+    with ``precision="mxfp8"`` the MXFP8 path over symmetric memory too (weights re-quantised every call)."""
     from megamoe import fused_mega_moe
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     x, idx, tw, w1, w2 = _inputs(shape, routing, world, rank)
     leaves = [t.requires_grad_() for t in (x, tw, w1, w2)]
     dy = torch.randn_like(x)
-    impls = {
-        "megamoe (symmetric memory)": lambda: fused_mega_moe(
-            x, idx, tw, w1, w2, group=group, backend="triton"
-        ),
-        "NCCL all-to-all + torch._grouped_mm": lambda: baseline_ep_layer(x, idx, tw, w1, w2, group),
-    }
+
+    def ours(precision: str) -> Callable[[], Tensor]:
+        return lambda: fused_mega_moe(x, idx, tw, w1, w2, group=group, backend="triton", precision=precision)
+
+    impls = {"megamoe (symmetric memory)": ours("bf16")}
+    if precision == "mxfp8":
+        impls["megamoe mxfp8 (symmetric memory)"] = ours("mxfp8")
+    impls["NCCL all-to-all + torch._grouped_mm"] = lambda: baseline_ep_layer(x, idx, tw, w1, w2, group)
     flops = 3 * 6 * shape.tokens * shape.topk * shape.hidden * shape.inter
     steps = [
         lambda forward=forward: torch.autograd.backward(forward(), dy, inputs=leaves)
@@ -475,7 +478,14 @@ def format_layers(results: list[LayerResult]) -> str:
 
 
 def _worker(
-    rank: int, world: int, port: int, mode: str, models: list[str], routings: list[str], out: str | None
+    rank: int,
+    world: int,
+    port: int,
+    mode: str,
+    models: list[str],
+    routings: list[str],
+    out: str | None,
+    precision: str,
 ) -> None:
     from megamoe.bench import MODELS
 
@@ -494,7 +504,7 @@ def _worker(
     for name in models:
         for routing in routings:
             if mode == "layer":
-                layers += bench_layer(name, MODELS[name], routing, group)
+                layers += bench_layer(name, MODELS[name], routing, group, precision)
             else:
                 stages += bench_stages(name, MODELS[name], routing, group, mode)
             torch.cuda.empty_cache()
@@ -515,7 +525,14 @@ def _worker(
     dist.destroy_process_group()
 
 
-def run(num_processes: int, mode: str, models: list[str], routings: list[str], json_path: str | None) -> None:
+def run(
+    num_processes: int,
+    mode: str,
+    models: list[str],
+    routings: list[str],
+    json_path: str | None,
+    precision: str = "bf16",
+) -> None:
     """Spawn one process per GPU and print the slowest rank's table (rank 0 prints)."""
     import socket
 
@@ -531,7 +548,7 @@ def run(num_processes: int, mode: str, models: list[str], routings: list[str], j
         port = sock.getsockname()[1]
     mp.spawn(
         _worker,
-        args=(num_processes, port, mode, models, routings, json_path),
+        args=(num_processes, port, mode, models, routings, json_path, precision),
         nprocs=num_processes,
         join=True,
     )

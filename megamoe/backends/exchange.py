@@ -16,6 +16,7 @@ sync-free fused one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,7 @@ def _all_to_all(
         out = send.new_empty((out_rows, *send.shape[1:]))
         dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
         return out
-    wire = send.reshape(send.shape[0], -1).view(torch.uint8)
+    wire = send.reshape(send.shape[0], math.prod(send.shape[1:])).view(torch.uint8)  # (not -1: 0 rows)
     out = wire.new_empty((out_rows, wire.shape[1]))
     dist.all_to_all_single(out, wire, out_splits, in_splits, group=group)
     return out.view(torch.bfloat16).reshape(out_rows, *send.shape[1:])

@@ -88,7 +88,7 @@ class SymmBackend:
         send = build_routing_plan(topk_idx_TK, num_experts=num_experts, block_m=block_m(topk_idx_TK.device))
         return SymmPlan(group=group, num_experts=num_experts, send=send)
 
-    def _exchange(self, plan: SymmPlan, x_TH: Tensor, weights_TK: Tensor) -> None:
+    def exchange(self, plan: SymmPlan, x_TH: Tensor, weights_TK: Tensor) -> None:
         """Stage 1's op start: the workspace, [pull: staging,] the count exchange with the barrier, the layout."""
         s = plan.send
         ws = get_workspace(
@@ -114,7 +114,7 @@ class SymmBackend:
         ws.note_received(layout.received_rows_1)
         plan.ws, plan.layout, plan.recv = ws, layout, recv_plan(ws, layout, s.block_m)
 
-    def _dispatch(self, plan: SymmPlan, src_TH: Tensor, weights_TK: Tensor | None = None) -> launch.Dispatch:
+    def dispatch(self, plan: SymmPlan, src_TH: Tensor, weights_TK: Tensor | None = None) -> launch.Dispatch:
         s, lay = plan.send, plan.layout
         return launch.Dispatch(
             src_TH=src_TH,
@@ -129,7 +129,7 @@ class SymmBackend:
             pull=launch.dispatch_mode(plan.ws.world) == "pull",
         )
 
-    def _begin(self, plan: SymmPlan, dispatch: launch.Dispatch | None = None) -> None:
+    def begin(self, plan: SymmPlan, dispatch: launch.Dispatch | None = None) -> None:
         """Start an op that is not stage 1's forward; in pull mode first stage the rows peers will read."""
         if dispatch is not None and dispatch.pull:
             launch.stage_for_pull(plan.ws, dispatch.src_TH, dispatch.send_token_S)
@@ -150,7 +150,7 @@ class SymmBackend:
         self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: SymmPlan
     ) -> tuple[Tensor, Tensor, None]:
         x, weights_TK = x_TH.contiguous(), topk_weights_TK.contiguous()
-        self._exchange(plan, x, weights_TK)
+        self.exchange(plan, x, weights_TK)
         h, weights = self.dispatch_gemm1(plan, x, weights_TK, w1_G2IH)
         return h, weights, None  # no activation: stage 2 runs the SwiGLU pass
 
@@ -176,7 +176,7 @@ class SymmBackend:
             tiles_X3=lay.tiles_X3,
             num_tiles_1=lay.num_tiles_1,
             out_RN=h,
-            push=None if broadcast else self._dispatch(plan, x, weights_TK),
+            push=None if broadcast else self.dispatch(plan, x, weights_TK),
             wait=True,
             local_rows=lay,
             broadcast=(x, s.row_token_R) if broadcast else None,
@@ -191,7 +191,7 @@ class SymmBackend:
         self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: SymmPlan, act_RI: None = None
     ) -> Tensor:
         ws, lay, s = plan.ws, plan.layout, plan.send
-        self._begin(plan)
+        self.begin(plan)
         a = h_R2I.new_empty(h_R2I.shape[0], w2_GHI.shape[2])
         swiglu_forward(h_R2I, a, lay.expert_start_G1[-1:])
         launch.fused_gemm(
@@ -231,14 +231,14 @@ class SymmBackend:
         gemm = dict(op="dgrad2", a_RK=dy_pool, b=w2, b_kn=True, tiles_X3=lay.tiles_X3,
                     num_tiles_1=lay.num_tiles_1, out_RN=da, wait=True)  # fmt: skip
         if launch.dispatch_mode(ws.world) == "broadcast":
-            self._begin(plan)
+            self.begin(plan)
             # every rank copies dy whatever it needs (a peer may wait for it); the pool only for dW2
             self._broadcast_dgrad(
                 plan, dy, gather_pool=need_dw2, local_rows=lay, broadcast=(dy, s.row_token_R), **gemm
             )
         else:
-            dispatch = self._dispatch(plan, dy)
-            self._begin(plan, dispatch)
+            dispatch = self.dispatch(plan, dy)
+            self.begin(plan, dispatch)
             launch.fused_gemm(ws, push=dispatch, **gemm)
         dh = h_R2I.new_empty(P, 2 * inter)
         aw = h_R2I.new_empty(P, inter)
@@ -278,11 +278,11 @@ class SymmBackend:
                     num_tiles_1=lay.num_tiles_1, remote=remote)  # fmt: skip
         broadcast = launch.dispatch_mode(ws.world) == "broadcast"
         if broadcast:  # x again, for dW1: copied to every peer, the pool filled beside the dgrad
-            self._begin(plan)
+            self.begin(plan)
             self._broadcast_dgrad(plan, x, gather_pool=need_dw1, **gemm)
         else:  # x again, for dW1: pushed into the pools by the dgrad kernel's comm role
-            dispatch = self._dispatch(plan, x)
-            self._begin(plan, dispatch)
+            dispatch = self.dispatch(plan, x)
+            self.begin(plan, dispatch)
             launch.fused_gemm(ws, push=dispatch, **gemm)
         launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
         dx = d_weights = dw1 = None

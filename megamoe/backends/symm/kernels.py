@@ -244,6 +244,48 @@ def _pool_weights_kernel(
     tl.store(out_ptr + rows, w.to(out_ptr.dtype.element_ty), mask=rows < P)
 
 
+@triton.jit(do_not_specialize=["rank", "world", "G", "num_programs"])
+def _return_rows_kernel(
+    rows_ptr, row_scale_ptr, scalar_ptr, row_src_ptr, row_pos_ptr, expert_start_ptr, comb_ptr,
+    comb_scalar_ptr, comb_ready_ptr, ptrs_dev, state_ptr, rank, world, G, H, num_programs,
+    ROW_SCALE: tl.constexpr, SCALAR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """For backends whose GEMMs do not store remotely: each valid pool row of ``rows`` ([P, H], [times
+    its ``row_scale`` in fp32]) and [its ``scalar``] to its source's combine slot; the last program out
+    releases ``combine_ready[me]`` on every rank (as the fused kernel's ``SIGNAL``)."""
+    epoch = tl.load(state_ptr)
+    bases = ptrs_dev.to(tl.pointer_type(tl.int64))
+    elem = comb_ptr.dtype.element_ty.primitive_bitwidth // 8
+    valid = tl.load(expert_start_ptr + G)
+    cols = tl.arange(0, BLOCK_H)
+    for block in range(tl.program_id(0), tl.cdiv(valid, BLOCK_R), num_programs):
+        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = rows < valid
+        src = tl.load(row_src_ptr + rows, mask=ok, other=0)
+        pos = tl.load(row_pos_ptr + rows, mask=ok, other=0).to(tl.int64)
+        shift = tl.load(bases + src, mask=ok, other=0) - tl.load(bases + rank)
+        # page-aligned bases and H % 8 == 0: the hint keeps 16-byte stores
+        dst = tl.multiple_of(shift // elem + pos * H, 8)
+        if ROW_SCALE:
+            scale = tl.load(row_scale_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        for c0 in range(0, H, BLOCK_H):
+            c = c0 + cols
+            mask = ok[:, None] & (c < H)[None, :]
+            v = tl.load(rows_ptr + rows.to(tl.int64)[:, None] * H + c[None, :], mask=mask)
+            if ROW_SCALE:
+                v = v.to(tl.float32) * scale[:, None]
+            tl.store(comb_ptr + dst[:, None] + c[None, :], v.to(comb_ptr.dtype.element_ty), mask=mask)
+        if SCALAR:
+            v = tl.load(scalar_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+            tl.store(comb_scalar_ptr + shift // 4 + pos, v, mask=ok)
+    tl.debug_barrier()
+    done = tl.atomic_add(state_ptr + _DONE, 1, sem="acq_rel", scope="sys")
+    if done == num_programs - 1:
+        tl.store(state_ptr + _DONE, 0)
+        for r in range(world):
+            tl.atomic_xchg(_peer(comb_ready_ptr, bases, rank, r) + rank, epoch, sem="release", scope="sys")
+
+
 @triton.jit
 def _peer(local_ptr, bases, rank, r):
     """``local_ptr`` moved into rank ``r``'s copy of the workspace.

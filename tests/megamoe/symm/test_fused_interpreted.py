@@ -209,7 +209,7 @@ def _comm_only_rank(rank: int, world: int, case: tuple, num_comm: int, dispatch:
     E, group = w1.shape[0], dist.group.WORLD
     backend = SymmBackend()
     plan = backend.make_plan(idx, num_experts=E, group=group)
-    backend._exchange(plan, x, tw)
+    backend.exchange(plan, x, tw)
     ws = plan.ws
     launch.fused_gemm(
         ws,
@@ -220,7 +220,7 @@ def _comm_only_rank(rank: int, world: int, case: tuple, num_comm: int, dispatch:
         tiles_X3=plan.layout.tiles_X3,
         num_tiles_1=torch.zeros(1, dtype=torch.int32),
         out_RN=torch.empty(ws.pool_rows, w1.shape[1]),
-        push=backend._dispatch(plan, x, tw),
+        push=backend.dispatch(plan, x, tw),
         num_comm=num_comm,
     )
     dist.barrier()  # every rank's pushes are done (kernels run synchronously on the CPU)

@@ -1,0 +1,82 @@
+"""Rows moved through the symmetric workspace around GEMMs that are not fused with the exchange.
+
+Legend: T tokens, H hidden, K top-k, P pool rows (expert-major, rows past ``expert_start[G]`` are padding).
+
+For expert backends whose GEMMs neither wait for rows per tile nor store to peers (the MXFP8
+kernels): the rows routed to this rank land in its pool in pool order, which TMA-fed grouped GEMMs
+read as they are, and each expert output row goes back to its source's combine slot, where the
+source sums over K. It uses the fused path's workspace, layout, ops and signals (each step one op,
+its barrier first), so it needs no host sync and captures in a CUDA graph, but the exchange does not
+overlap with the GEMMs::
+
+    op start        [pull mode: stage src_TH] barrier (stage 1: with the count exchange and the layout)
+    fill_pool       broadcast mode: copy src_TH to every peer (copy engines), gather the pool from the
+                    copies; push and pull mode: the fused kernel's comm role alone; wait for the pool
+    ...             the backend's GEMMs on the pool
+    return_rows     every valid pool row to its source's combine slot; wait for every peer's
+    combine         y[t] = sum_k combine[slot (t, k)]   (fixed order, fp32)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megamoe.backends.symm import launch
+from megamoe.backends.symm.backend import SymmBackend, SymmPlan
+from megamoe.backends.symm.workspace import COUNTER_COMBINE, COUNTER_POOL
+from megamoe.backends.triton.combine import combine
+
+_SYMM = SymmBackend()
+
+
+def begin(plan: SymmPlan, src_TH: Tensor | None = None) -> None:
+    """Start an op after stage 1; with ``src_TH``, one that will :func:`fill_pool` from it (pull mode
+    stages its rows before the barrier)."""
+    _SYMM.begin(plan, None if src_TH is None else _SYMM.dispatch(plan, src_TH))
+
+
+def fill_pool(plan: SymmPlan, src_TH: Tensor, weights_TK: Tensor | None = None) -> Tensor | None:
+    """After the op's start: this rank's pool holds every rank's rows of ``src_TH`` routed here, in pool
+    order. With ``weights_TK``, returns each pool row's routing weight (``[P]``, 0 past the valid rows).
+
+    Every rank sends whatever it needs itself, since its peers wait for its rows."""
+    ws, lay, s = plan.ws, plan.layout, plan.send
+    send_weight_S = None
+    if launch.dispatch_mode(ws.world) == "broadcast":
+        if weights_TK is not None:
+            send_weight_S = s.row_values_R(weights_TK).float()
+        launch.broadcast_rows(ws, src_TH, s.row_token_R, send_weight_S)
+        launch.gather_broadcast_rows(ws, lay, src_TH, s.row_token_R)
+        launch.join_broadcast(ws)
+    else:
+        launch.push_rows(ws, _SYMM.dispatch(plan, src_TH, weights_TK))
+        launch.wait_flags(ws, "pool_ready", COUNTER_POOL)
+    if weights_TK is None:
+        return None
+    return launch.pool_weights(ws, lay, send_weight_S, weights_TK.dtype)
+
+
+def return_rows(
+    plan: SymmPlan, rows_PH: Tensor, *, row_scale_P: Tensor | None = None, scalar_P: Tensor | None = None
+) -> None:
+    """After the op's start: each valid pool row of ``rows_PH`` (times ``row_scale_P``, in fp32) [and
+    ``scalar_P``] goes to its source's combine slot; returns once every peer's rows for this rank landed."""
+    ws = plan.ws
+    scale = None if row_scale_P is None else row_scale_P.float().contiguous()
+    scalar = None if scalar_P is None else scalar_P.float().contiguous()
+    launch.return_rows(ws, plan.layout, rows_PH.contiguous(), row_scale_P=scale, scalar_P=scalar)
+    launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
+
+
+def combine_rows(plan: SymmPlan) -> Tensor:
+    """After :func:`return_rows`: ``y [T, H] = sum_k combine[slot (t, k)]`` (fp32 sums, the rows' dtype)."""
+    s, rows = plan.send, plan.ws.view("combine")
+    y = rows.new_empty(s.num_tokens, rows.shape[1])
+    combine(rows, s.slot_row_S, y, topk=s.topk, weights_R=None)
+    return y
+
+
+def returned_scalars(plan: SymmPlan, dtype: torch.dtype) -> Tensor:
+    """After :func:`return_rows` with ``scalar_P``: each (token, k) slot's scalar, ``[T, K]``."""
+    return plan.send.slot_values_TK(plan.ws.view("combine_scalar")).to(dtype)
