@@ -175,12 +175,12 @@ def _barrier_kernel(
     bases = ptrs_dev.to(tl.pointer_type(tl.int64))
     for r in range(world):
         if HAS_COUNTS:
-            dst = _peer(counts_all_ptr, bases, rank, r) + ((epoch % 2) * world + rank) * E
+            dst = peer_ptr(counts_all_ptr, bases, rank, r) + ((epoch % 2) * world + rank) * E
             for e0 in range(0, E, BLOCK_E):
                 mask = e0 + offs < E
                 tl.store(dst + e0 + offs, tl.load(counts_ptr + e0 + offs, mask=mask), mask=mask)
         tl.debug_barrier()
-        tl.atomic_xchg(_peer(arrive_ptr, bases, rank, r) + rank, epoch, sem="release", scope="sys")
+        tl.atomic_xchg(peer_ptr(arrive_ptr, bases, rank, r) + rank, epoch, sem="release", scope="sys")
     for s in range(world):
         _spin_until(arrive_ptr + s, epoch, state_ptr, rank, _ARRIVE, s, max_spins)
 
@@ -244,50 +244,8 @@ def _pool_weights_kernel(
     tl.store(out_ptr + rows, w.to(out_ptr.dtype.element_ty), mask=rows < P)
 
 
-@triton.jit(do_not_specialize=["rank", "world", "G", "num_programs"])
-def _return_rows_kernel(
-    rows_ptr, row_scale_ptr, scalar_ptr, row_src_ptr, row_pos_ptr, expert_start_ptr, comb_ptr,
-    comb_scalar_ptr, comb_ready_ptr, ptrs_dev, state_ptr, rank, world, G, H, num_programs,
-    ROW_SCALE: tl.constexpr, SCALAR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
-    """For backends whose GEMMs do not store remotely: each valid pool row of ``rows`` ([P, H], [times
-    its ``row_scale`` in fp32]) and [its ``scalar``] to its source's combine slot; the last program out
-    releases ``combine_ready[me]`` on every rank (as the fused kernel's ``SIGNAL``)."""
-    epoch = tl.load(state_ptr)
-    bases = ptrs_dev.to(tl.pointer_type(tl.int64))
-    elem = comb_ptr.dtype.element_ty.primitive_bitwidth // 8
-    valid = tl.load(expert_start_ptr + G)
-    cols = tl.arange(0, BLOCK_H)
-    for block in range(tl.program_id(0), tl.cdiv(valid, BLOCK_R), num_programs):
-        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
-        ok = rows < valid
-        src = tl.load(row_src_ptr + rows, mask=ok, other=0)
-        pos = tl.load(row_pos_ptr + rows, mask=ok, other=0).to(tl.int64)
-        shift = tl.load(bases + src, mask=ok, other=0) - tl.load(bases + rank)
-        # page-aligned bases and H % 8 == 0: the hint keeps 16-byte stores
-        dst = tl.multiple_of(shift // elem + pos * H, 8)
-        if ROW_SCALE:
-            scale = tl.load(row_scale_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-        for c0 in range(0, H, BLOCK_H):
-            c = c0 + cols
-            mask = ok[:, None] & (c < H)[None, :]
-            v = tl.load(rows_ptr + rows.to(tl.int64)[:, None] * H + c[None, :], mask=mask)
-            if ROW_SCALE:
-                v = v.to(tl.float32) * scale[:, None]
-            tl.store(comb_ptr + dst[:, None] + c[None, :], v.to(comb_ptr.dtype.element_ty), mask=mask)
-        if SCALAR:
-            v = tl.load(scalar_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-            tl.store(comb_scalar_ptr + shift // 4 + pos, v, mask=ok)
-    tl.debug_barrier()
-    done = tl.atomic_add(state_ptr + _DONE, 1, sem="acq_rel", scope="sys")
-    if done == num_programs - 1:
-        tl.store(state_ptr + _DONE, 0)
-        for r in range(world):
-            tl.atomic_xchg(_peer(comb_ready_ptr, bases, rank, r) + rank, epoch, sem="release", scope="sys")
-
-
 @triton.jit
-def _peer(local_ptr, bases, rank, r):
+def peer_ptr(local_ptr, bases, rank, r):
     """``local_ptr`` moved into rank ``r``'s copy of the workspace.
 
     Buffer bases are page-aligned, so the shift is a multiple of 16 elements; saying so keeps the
@@ -369,7 +327,7 @@ def _push_rows(
     first, step, q, Q = _comm_share(pid, num_comm, world)
     for d_off in range(first, world, step):
         d = (rank + d_off) % world
-        pool = _peer(pool_ptr, bases, rank, d)
+        pool = peer_ptr(pool_ptr, bases, rank, d)
         for g in range(G):
             _push_task(
                 d,
@@ -446,10 +404,10 @@ def _push_task(
         if PUSH_WEIGHT:
             slot = tl.load(send_slot_ptr + pos, mask=ok, other=0)
             w = tl.load(send_weight_ptr + slot, mask=ok, other=0.0).to(tl.float32)
-            tl.store(_peer(pool_w_ptr, bases, rank, d) + dest64, w, mask=ok)
+            tl.store(peer_ptr(pool_w_ptr, bases, rank, d) + dest64, w, mask=ok)
     if _task_done(task_done_ptr, e, Q):
         tl.atomic_xchg(
-            _peer(pool_ready_ptr, bases, rank, d) + rank * G + g, epoch, sem="release", scope="sys"
+            peer_ptr(pool_ready_ptr, bases, rank, d) + rank * G + g, epoch, sem="release", scope="sys"
         )
 
 
@@ -486,9 +444,9 @@ def _pull_rows(
     first, step, q, Q = _comm_share(pid, num_comm, world)
     for s_off in range(first, world, step):
         s = (rank + s_off) % world
-        stage_x = _peer(stage_x_ptr, bases, rank, s) + bank.to(tl.int64) * stage_rows * H
-        stage_tok = _peer(stage_tok_ptr, bases, rank, s) + bank * stage_slots
-        stage_w = _peer(stage_w_ptr, bases, rank, s) + bank * stage_slots
+        stage_x = peer_ptr(stage_x_ptr, bases, rank, s) + bank.to(tl.int64) * stage_rows * H
+        stage_tok = peer_ptr(stage_tok_ptr, bases, rank, s) + bank * stage_slots
+        stage_w = peer_ptr(stage_w_ptr, bases, rank, s) + bank * stage_slots
         for g in range(G):
             seg0 = tl.load(seg_start_ptr + g * world + s)
             n = tl.load(seg_len_ptr + g * world + s)
@@ -822,5 +780,5 @@ def _fused_kernel(
         if SIGNAL:
             for r in range(world):
                 tl.atomic_xchg(
-                    _peer(comb_ready_ptr, bases, rank, r) + rank, epoch, sem="release", scope="sys"
+                    peer_ptr(comb_ready_ptr, bases, rank, r) + rank, epoch, sem="release", scope="sys"
                 )

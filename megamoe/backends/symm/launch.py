@@ -17,7 +17,6 @@ from megamoe.backends.symm.kernels import (
     _fused_kernel,
     _gather_broadcast_rows_kernel,
     _pool_weights_kernel,
-    _return_rows_kernel,
     _wait_kernel,
 )
 from megamoe.backends.symm.layout import SymmLayout
@@ -29,8 +28,6 @@ from megamoe.backends.triton.side_gather import NUM_WARPS as GATHER_WARPS
 from megamoe.errors import InvalidConfigError
 
 _FOREVER = 2**31 - 1
-RETURN_BLOCK_R, RETURN_BLOCK_H = 16, 256
-"""rows and columns per step of :func:`return_rows` on a GPU (4 warps: 16-byte stores, 8 KB per step)"""
 _DEBUG_SPINS = 5_000_000  # a few seconds of polling on a GPU
 
 
@@ -255,32 +252,6 @@ def pool_weights(
         ws.num_local_experts, P, ws.max_tokens * ws.key.topk, BROADCAST=broadcast, BLOCK=block,
     )  # fmt: skip
     return out
-
-
-def return_rows(
-    ws: SymmWorkspace,
-    layout: SymmLayout,
-    rows_PH: Tensor,
-    *,
-    row_scale_P: Tensor | None = None,
-    scalar_P: Tensor | None = None,
-) -> None:
-    """After the op's barrier: send every valid pool row of ``rows_PH`` ([times ``row_scale_P``]) and
-    [``scalar_P``] to its source's combine slots, then release ``combine_ready[me]`` everywhere (the
-    fused kernel's remote output, for GEMMs that store locally). :func:`wait_flags` on
-    ``combine_ready`` then waits for every peer's."""
-    if rows_PH.shape[0] != ws.pool_rows or not rows_PH.is_contiguous():
-        raise ValueError(f"rows_PH: expected a contiguous [{ws.pool_rows}, H], got {tuple(rows_PH.shape)}")
-    cuda = rows_PH.is_cuda
-    grid = num_programs(rows_PH.device)
-    _return_rows_kernel[(grid,)](
-        rows_PH, row_scale_P, scalar_P, layout.row_src_R, layout.row_pos_R, layout.expert_start_G1,
-        ws.view("combine"), ws.view("combine_scalar"), ws.view("combine_ready"), ws.ptrs_dev, ws.state,
-        ws.rank, ws.world, ws.num_local_experts, rows_PH.shape[1], grid, ROW_SCALE=row_scale_P is not None,
-        SCALAR=scalar_P is not None, BLOCK_R=RETURN_BLOCK_R if cuda else 8,
-        BLOCK_H=RETURN_BLOCK_H if cuda else 32,
-        num_warps=4,
-    )  # fmt: skip
 
 
 def join_broadcast(ws: SymmWorkspace) -> None:

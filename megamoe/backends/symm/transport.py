@@ -1,20 +1,20 @@
-"""Rows moved through the symmetric workspace around GEMMs that are not fused with the exchange.
+"""The symmetric workspace's row movement for expert GEMMs that do not wait for rows per tile.
 
 Legend: T tokens, H hidden, K top-k, P pool rows (expert-major, rows past ``expert_start[G]`` are padding).
 
-For expert backends whose GEMMs neither wait for rows per tile nor store to peers (the MXFP8
-kernels): the rows routed to this rank land in its pool in pool order, which TMA-fed grouped GEMMs
-read as they are, and each expert output row goes back to its source's combine slot, where the
-source sums over K. It uses the fused path's workspace, layout, ops and signals (each step one op,
-its barrier first), so it needs no host sync and captures in a CUDA graph, but the exchange does not
-overlap with the GEMMs::
+For expert backends whose GEMMs read a filled pool (the MXFP8 kernels): the rows routed to this rank
+land in its pool in pool order, which TMA-fed grouped GEMMs read as they are; the GEMM that makes the
+expert outputs sends each row to its source's combine slot from its epilogue and releases
+``combine_ready`` (as the bf16 fused kernel does), and the source sums over K. It uses the fused
+path's workspace, layout, ops and signals (each step one op, its barrier first), so it needs no host
+sync and captures in a CUDA graph; the dispatch does not overlap with the GEMMs::
 
     op start        [pull mode: stage src_TH] barrier (stage 1: with the count exchange and the layout)
     fill_pool       broadcast mode: copy src_TH to every peer (copy engines), gather the pool from the
                     copies; push and pull mode: the fused kernel's comm role alone; wait for the pool
-    ...             the backend's GEMMs on the pool
-    return_rows     every valid pool row to its source's combine slot; wait for every peer's
-    combine         y[t] = sum_k combine[slot (t, k)]   (fixed order, fp32)
+    ...             the backend's GEMMs on the pool; the last one stores its rows at their sources
+    wait_returned   every peer's rows for this rank landed
+    combine_rows    y[t] = sum_k combine[slot (t, k)]   (fixed order, fp32)
 """
 
 from __future__ import annotations
@@ -57,20 +57,14 @@ def fill_pool(plan: SymmPlan, src_TH: Tensor, weights_TK: Tensor | None = None) 
     return launch.pool_weights(ws, lay, send_weight_S, weights_TK.dtype)
 
 
-def return_rows(
-    plan: SymmPlan, rows_PH: Tensor, *, row_scale_P: Tensor | None = None, scalar_P: Tensor | None = None
-) -> None:
-    """After the op's start: each valid pool row of ``rows_PH`` (times ``row_scale_P``, in fp32) [and
-    ``scalar_P``] goes to its source's combine slot; returns once every peer's rows for this rank landed."""
-    ws = plan.ws
-    scale = None if row_scale_P is None else row_scale_P.float().contiguous()
-    scalar = None if scalar_P is None else scalar_P.float().contiguous()
-    launch.return_rows(ws, plan.layout, rows_PH.contiguous(), row_scale_P=scale, scalar_P=scalar)
-    launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
+def wait_returned(plan: SymmPlan) -> None:
+    """After a GEMM that sent its rows to their sources (``combine_ready`` released by every rank):
+    every peer's rows for this rank have landed in its combine slots."""
+    launch.wait_flags(plan.ws, "combine_ready", COUNTER_COMBINE)
 
 
 def combine_rows(plan: SymmPlan) -> Tensor:
-    """After :func:`return_rows`: ``y [T, H] = sum_k combine[slot (t, k)]`` (fp32 sums, the rows' dtype)."""
+    """After :func:`wait_returned`: ``y [T, H] = sum_k combine[slot (t, k)]`` (fp32 sums, the rows' dtype)."""
     s, rows = plan.send, plan.ws.view("combine")
     y = rows.new_empty(s.num_tokens, rows.shape[1])
     combine(rows, s.slot_row_S, y, topk=s.topk, weights_R=None)
@@ -78,5 +72,5 @@ def combine_rows(plan: SymmPlan) -> Tensor:
 
 
 def returned_scalars(plan: SymmPlan, dtype: torch.dtype) -> Tensor:
-    """After :func:`return_rows` with ``scalar_P``: each (token, k) slot's scalar, ``[T, K]``."""
+    """After :func:`wait_returned`: each (token, k) slot's scalar, ``[T, K]``."""
     return plan.send.slot_values_TK(plan.ws.view("combine_scalar")).to(dtype)

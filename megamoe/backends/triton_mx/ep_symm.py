@@ -6,14 +6,16 @@ padding).
 The one-GPU MX kernels (:class:`~.experts.MXExperts`) run on the workspace's pool in pool order, and
 :mod:`megamoe.backends.symm.transport` moves the rows: device-side, static shapes, so forward and
 backward capture in a CUDA graph (the NCCL transport reads split sizes on the host and cannot). The
-plan is the bf16 fused path's :class:`~megamoe.backends.symm.ops.SymmState`. The exchange does not
-yet overlap with the MX GEMMs: that needs per-tile waits and two-source row addressing in the MX GEMM,
-as the bf16 fused kernel has (docs/mxfp8.md)::
+plan is the bf16 fused path's :class:`~megamoe.backends.symm.ops.SymmState`. The combine is fused:
+the MX GEMMs that make expert outputs store each row at its source from their epilogues
+(:class:`~.grouped_gemm.RemoteRows`). The dispatch is not yet: the pool is filled before the GEMM
+reads it (per-tile waits and two-source row addressing in the MX GEMM, as the bf16 fused kernel has,
+would overlap it)::
 
     stage 1 fwd   count exchange, layout; x rows -> pools; h = q(pool) q(W1)^T
-    stage 2 fwd   o = q(swiglu(h)) q(W2)^T; (w o) rows -> their sources; y = sum over K (fp32)
+    stage 2 fwd   q(swiglu(h)) q(W2)^T, each row * w stored at its source; y = sum over K (fp32)
     stage 2 bwd   dy rows -> pools; da = q(pool) q(W2^T)^T; SwiGLU bwd; dW2 = q(pool)^T q(w a)
-    stage 1 bwd   x rows -> pools again (never saved); dx rows = q(dh) q(W1^T)^T -> their sources
+    stage 1 bwd   x rows -> pools again (never saved); q(dh) q(W1^T)^T, each row stored at its source
                   with d(weight); dx = sum over K; dW1 = q(dh)^T q(pool)
 
 Rows move in bf16 and are quantised on the expert's rank, which is bit-identical to quantising at the
@@ -25,11 +27,34 @@ from __future__ import annotations
 from torch import Tensor
 
 from megamoe.backends.symm import launch, transport
-from megamoe.backends.symm.backend import SymmBackend
+from megamoe.backends.symm.backend import SymmBackend, SymmPlan
 from megamoe.backends.symm.ops import SymmState, eager_plan, state_of
+from megamoe.backends.symm.workspace import STATE_DONE
 from megamoe.backends.triton_mx.experts import MXExperts, check_widths, row_plan
+from megamoe.backends.triton_mx.grouped_gemm import RemoteRows
 
 _SYMM = SymmBackend()
+
+
+def _to_sources(
+    plan: SymmPlan, *, row_scale_P: Tensor | None = None, scalar_P: Tensor | None = None
+) -> RemoteRows:
+    """Where the MX GEMM's epilogue sends each pool row: its source's combine slot in the workspace."""
+    ws, lay = plan.ws, plan.layout
+    return RemoteRows(
+        lay.row_src_R,
+        lay.row_pos_R,
+        ws.view("combine"),
+        ws.view("combine_scalar"),
+        ws.view("combine_ready"),
+        ws.state[:1],
+        ws.state[STATE_DONE : STATE_DONE + 1],
+        ws.ptrs_dev,
+        ws.rank,
+        ws.world,
+        row_scale_R=None if row_scale_P is None else row_scale_P.float().contiguous(),
+        scalar_R=None if scalar_P is None else scalar_P.float().contiguous(),
+    )
 
 
 def stage1_forward(
@@ -51,8 +76,9 @@ def stage2_forward(
 ) -> Tensor:
     plan = eager_plan(state, h_P2I.new_empty(0, w2_GHI.shape[1]))
     transport.begin(plan)
-    o = experts.gemm2(h_P2I.contiguous(), w2_GHI, row_plan(plan.recv))
-    transport.return_rows(plan, o, row_scale_P=dispatch_weights_P)
+    remote = _to_sources(plan, row_scale_P=dispatch_weights_P)
+    experts.gemm2(h_P2I.contiguous(), w2_GHI, row_plan(plan.recv), remote)
+    transport.wait_returned(plan)
     y = transport.combine_rows(plan)
     launch.check(plan.ws)
     return y
@@ -104,8 +130,8 @@ def stage1_backward(
     rows = row_plan(plan.recv)
     transport.begin(plan, x)
     transport.fill_pool(plan, x)  # the dispatched x again, for dW1 (a peer's may need it, so always)
-    dx_rows = experts.dgrad1(grad_h, w1_G2IH, rows)
-    transport.return_rows(plan, dx_rows, scalar_P=grad_dispatch_weights_P)
+    experts.dgrad1(grad_h, w1_G2IH, rows, _to_sources(plan, scalar_P=grad_dispatch_weights_P))
+    transport.wait_returned(plan)
     dx = transport.combine_rows(plan) if need_dx else None
     d_weights = transport.returned_scalars(plan, grad_dispatch_weights_P.dtype) if need_dweights else None
     dw1 = experts.wgrad1(grad_h, plan.ws.view("pool"), w1_G2IH, rows, None) if need_dw1 else None

@@ -20,7 +20,7 @@ from megamoe.backends.triton.configs import num_programs
 from megamoe.backends.triton.padding import zero_padding_rows
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton_mx.configs import gemm_config, wgrad_block_align, wgrad_config
-from megamoe.backends.triton_mx.grouped_gemm import mx_grouped_gemm
+from megamoe.backends.triton_mx.grouped_gemm import RemoteRows, mx_grouped_gemm
 from megamoe.backends.triton_mx.quantize_rows import quantize_rows
 from megamoe.backends.triton_mx.quantize_segments import quantize_segments, segment_block_starts
 from megamoe.backends.triton_mx.swiglu import swiglu_backward_quant, swiglu_quant
@@ -78,15 +78,25 @@ class MXExperts:
     def _w(self, w_GYX: Tensor, *, transposed: bool) -> MXTensor:
         return self.weight_cache.get(w_GYX, transposed=transposed)
 
-    def _gemm(self, a: MXTensor, b: MXTensor, out: Tensor, plan: RowPlan, a_rows: Tensor | None) -> None:
+    def _gemm(
+        self,
+        a: MXTensor,
+        b: MXTensor,
+        out: Tensor | None,
+        plan: RowPlan,
+        a_rows: Tensor | None,
+        remote: RemoteRows | None = None,
+    ) -> None:
+        device = a.data.device
         mx_grouped_gemm(
             a,
             b,
             out,
             plan.routing,
-            config=gemm_config(out.device),
-            num_sms=num_programs(out.device),
+            config=gemm_config(device),
+            num_sms=num_programs(device),
             a_rows=a_rows,
+            remote=remote,
         )
 
     def _wgrad(self, p: MXTensor, q: MXTensor, out: Tensor, plan: RowPlan) -> Tensor:
@@ -123,12 +133,15 @@ class MXExperts:
             zero_padding_rows(h, r.expert_start_G1)
         return h
 
-    def gemm2(self, h_R2I: Tensor, w2_GHI: Tensor, plan: RowPlan) -> Tensor:
-        """``o [R, H] = q(swiglu(h)) q(W2)^T`` (the combine's input, unweighted); padding rows not written."""
-        o = h_R2I.new_empty(h_R2I.shape[0], w2_GHI.shape[1])
-        if o.numel():
+    def gemm2(
+        self, h_R2I: Tensor, w2_GHI: Tensor, plan: RowPlan, remote: RemoteRows | None = None
+    ) -> Tensor | None:
+        """``o [R, H] = q(swiglu(h)) q(W2)^T`` (the combine's input, unweighted; padding rows not written),
+        or None with ``remote``: the rows went to their sources (times ``remote.row_scale_R``)."""
+        o = None if remote else h_R2I.new_empty(h_R2I.shape[0], w2_GHI.shape[1])
+        if remote or o.numel():  # (remote: every rank's GEMM signals, even one with no rows)
             a = swiglu_quant(h_R2I, plan.valid_rows_1)
-            self._gemm(a, self._w(w2_GHI, transposed=False), o, plan, None)
+            self._gemm(a, self._w(w2_GHI, transposed=False), o, plan, None, remote)
         return o
 
     def gemm2_backward(
@@ -160,12 +173,15 @@ class MXExperts:
                 self._wgrad(self._along_r(dy_rows, plan, a_rows), aw, dw2, plan)
         return dh, d_weights, dw2
 
-    def dgrad1(self, grad_h_R2I: Tensor, w1_G2IH: Tensor, plan: RowPlan) -> Tensor:
-        """``dx rows [R, H] = q(dh) q(W1^T)^T`` (the combine's input); padding rows not written."""
-        out = grad_h_R2I.new_empty(grad_h_R2I.shape[0], w1_G2IH.shape[2])
-        if out.numel():
+    def dgrad1(
+        self, grad_h_R2I: Tensor, w1_G2IH: Tensor, plan: RowPlan, remote: RemoteRows | None = None
+    ) -> Tensor | None:
+        """``dx rows [R, H] = q(dh) q(W1^T)^T`` (the combine's input; padding rows not written), or None
+        with ``remote``: the rows went to their sources (with ``remote.scalar_R``)."""
+        out = None if remote else grad_h_R2I.new_empty(grad_h_R2I.shape[0], w1_G2IH.shape[2])
+        if remote or out.numel():
             g_rows = quantize_rows(grad_h_R2I, valid_rows_1=plan.valid_rows_1)
-            self._gemm(g_rows, self._w(w1_G2IH, transposed=True), out, plan, None)
+            self._gemm(g_rows, self._w(w1_G2IH, transposed=True), out, plan, None, remote)
         return out
 
     def wgrad1(

@@ -14,7 +14,11 @@ A ``[rows, K]`` and B ``[G, N, K]`` are E4M3 with one E8M0 code per 32 along K (
                 else:     a = A[r0:r0+BM, 32kb:32kb+32]        # TMA
                 b = B[expert, n:n+BN, 32kb:32kb+32]            # TMA, K-major ([BN, 32] then .T)
                 acc += (dot_e4m3(a, b^T) * sb[:, kb][None, :]) * sa[:, kb][:, None]   # fp32
-        C[r0:r_end, n:n+BN] = acc
+        C[r0:r_end, n:n+BN] = acc                            # [OUT_REMOTE] rows to their sources' combine slots
+
+``OUT_REMOTE`` (the EP combine over symmetric memory, :class:`RemoteRows`): each output row [times its
+routing weight] goes to its source rank's combine slot [with a per-row scalar], as the bf16 fused
+kernel's epilogue does; the last program out releases ``combine_ready[me]`` on every rank.
 
 Each 32-deep MMA (Hopper ``wgmma`` k=32 for E4M3) starts from zero and its fp32 result is scaled and
 added on the CUDA cores: that is where the per-32 scales enter, and it also promotes Hopper's reduced-
@@ -33,17 +37,45 @@ as ``(part * sb) * sa`` so no separate ``[BM, BN]`` scale tile is built and held
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from megamoe.backends.symm.kernels import peer_ptr
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton_mx.mx_math import scale_column, scale_tile, swizzle
 from megamoe.quant.mx import BLOCK, MXTensor
 
 
-@triton.jit
+@dataclass(frozen=True, slots=True)
+class RemoteRows:
+    """Where :func:`mx_grouped_gemm` sends its output rows instead of ``out``: each pool row to its source
+    rank's combine slot in the symmetric workspace (:mod:`megamoe.backends.symm`); a peer's slot is this
+    rank's address shifted by the difference of the two buffer bases."""
+
+    row_src_R: Tensor
+    row_pos_R: Tensor
+    """each row's source rank and its send position there (the combine slot)."""
+    combine: Tensor
+    """this rank's combine slots ``[slots, N]``."""
+    combine_scalar: Tensor
+    combine_ready: Tensor
+    epoch_1: Tensor
+    done_1: Tensor
+    """programs finished (the last one resets it and signals)."""
+    ptrs_dev: int
+    rank: int
+    world: int
+    row_scale_R: Tensor | None = None
+    """float32, multiplies each row before it is sent (the routing weight)."""
+    scalar_R: Tensor | None = None
+    """float32, sent with each row to ``combine_scalar``."""
+
+
+@triton.jit(do_not_specialize=["rank", "world"])  # every rank runs the same compiled kernel
 def _mx_grouped_gemm_kernel(
     # pointers / descriptors
     a_ptr,
@@ -55,6 +87,18 @@ def _mx_grouped_gemm_kernel(
     c_ptr,
     tiles_ptr,
     num_tiles_ptr,
+    # OUT_REMOTE
+    row_scale_ptr,
+    scalar_ptr,
+    row_src_ptr,
+    row_pos_ptr,
+    comb_scalar_ptr,
+    comb_ready_ptr,
+    epoch_ptr,
+    done_ptr,
+    ptrs_dev,
+    rank,
+    world,
     # sizes and strides
     N,
     K,
@@ -68,6 +112,9 @@ def _mx_grouped_gemm_kernel(
     num_programs,
     # meta-parameters
     A_GATHER: tl.constexpr,
+    OUT_REMOTE: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    PUSH_SCALAR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -115,21 +162,49 @@ def _mx_grouped_gemm_kernel(
                 part = tl.dot(a, b.T, out_dtype=tl.float32)
                 acc += (part * scale_column(sb, j, NB)[None, :]) * scale_column(sa, j, NB)[:, None]
             a_ptrs += BLOCK_K
-        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        mask = mask_m[:, None] & mask_n[None, :]
+        if OUT_REMOTE:  # each row to its source's copy of the combine slots: local pointer + the peer's shift
+            bases = ptrs_dev.to(tl.pointer_type(tl.int64))
+            src = tl.load(row_src_ptr + offs_m, mask=mask_m, other=0)
+            pos = tl.load(row_pos_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+            shift = tl.load(bases + src, mask=mask_m, other=0) - tl.load(bases + rank)
+            if ROW_SCALE:
+                acc = acc * tl.load(row_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
+            # page-aligned bases and N % 8 == 0: the hint keeps 16-byte stores
+            row = tl.multiple_of(shift // (c_ptr.dtype.element_ty.primitive_bitwidth // 8) + pos * N, 8)
+            tl.store(c_ptr + row[:, None] + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+            if PUSH_SCALAR:  # the first column tile sends it (a mask, not a branch)
+                first_n = mask_m & (pid_n == 0)
+                v = tl.load(scalar_ptr + offs_m, mask=first_n, other=0.0)
+                tl.store(comb_scalar_ptr + shift // 4 + pos, v, mask=first_n)
+        else:
+            c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    if OUT_REMOTE:  # the last program out tells every rank that all rows it is owed from here landed
+        tl.debug_barrier()
+        if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys") == num_programs - 1:
+            tl.store(done_ptr, 0)
+            epoch = tl.load(epoch_ptr)
+            bases = ptrs_dev.to(tl.pointer_type(tl.int64))
+            for r in range(world):
+                tl.atomic_xchg(
+                    peer_ptr(comb_ready_ptr, bases, rank, r) + rank, epoch, sem="release", scope="sys"
+                )
 
 
 def mx_grouped_gemm(
     a: MXTensor,
     b: MXTensor,
-    out: Tensor,
+    out: Tensor | None,
     plan: RoutingPlan,
     *,
     config: dict,
     num_sms: int,
     a_rows: Tensor | None = None,
+    remote: RemoteRows | None = None,
 ) -> None:
-    """Write ``out [R, N]`` (rows of the plan's tiles only) from MX ``a`` and ``b [G, N, K]``.
+    """Write ``out [R, N]`` (rows of the plan's tiles only) from MX ``a`` and ``b [G, N, K]``, or send
+    the rows to their sources (``remote``; ``out`` then None).
 
     ``a`` is ``[R, K]`` expert-sorted, or ``[T, K]`` read through ``a_rows [R]`` (the fused dispatch).
     Both are blocked along K (their last dim) and their data contiguous; K must be a multiple of 16
@@ -140,6 +215,8 @@ def mx_grouped_gemm(
         raise ValueError(f"BLOCK_K={bk}: must be a power of two and a multiple of {BLOCK}")
     if bm != plan.block_m:
         raise ValueError(f"BLOCK_M={bm} must equal the plan's block_m={plan.block_m}")
+    if (out is None) == (remote is None):
+        raise ValueError("pass exactly one of out and remote")
     _, N, K = b.data.shape
     if a.data.shape[1] != K or a.dim != 1 or b.dim != 2:
         raise ValueError(
@@ -152,6 +229,8 @@ def mx_grouped_gemm(
     b_desc = TensorDescriptor.from_tensor(b.data, [1, bn, BLOCK])
     a_desc = TensorDescriptor.from_tensor(a.data, [bm, BLOCK]) if a_rows is None else None
     grid_size = max(1, min(num_sms * config.get("PROGRAMS_PER_SM", 1), plan.max_tiles * triton.cdiv(N, bn)))
+    r = remote
+    c = out if r is None else r.combine
     _mx_grouped_gemm_kernel[(grid_size,)](
         a.data,
         a_desc,
@@ -159,9 +238,20 @@ def mx_grouped_gemm(
         a_rows,
         b_desc,
         b.scale,
-        out,
+        c,
         plan.tiles_X3,
         plan.num_tiles_1,
+        None if r is None else r.row_scale_R,
+        None if r is None else r.scalar_R,
+        None if r is None else r.row_src_R,
+        None if r is None else r.row_pos_R,
+        None if r is None else r.combine_scalar,
+        None if r is None else r.combine_ready,
+        None if r is None else r.epoch_1,
+        None if r is None else r.done_1,
+        0 if r is None else r.ptrs_dev,
+        0 if r is None else r.rank,
+        1 if r is None else r.world,
         N,
         K,
         a.data.stride(0),
@@ -170,9 +260,12 @@ def mx_grouped_gemm(
         b.scale.stride(0),
         b.scale.stride(1),
         b.scale.stride(2),
-        out.stride(0),
+        c.stride(0),
         grid_size,
         A_GATHER=a_rows is not None,
+        OUT_REMOTE=r is not None,
+        ROW_SCALE=r is not None and r.row_scale_R is not None,
+        PUSH_SCALAR=r is not None and r.scalar_R is not None,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,

@@ -19,9 +19,7 @@ from megamoe.backends.symm.kernels import (
     _fused_kernel,
     _gather_broadcast_rows_kernel,
     _pool_weights_kernel,
-    _return_rows_kernel,
 )
-from megamoe.backends.symm.launch import RETURN_BLOCK_H, RETURN_BLOCK_R
 from megamoe.backends.symm.layout import _layout_kernel
 from megamoe.backends.triton.configs import gemm_config
 from megamoe.backends.triton.side_gather import BLOCK_H as GATHER_BLOCK_H
@@ -157,19 +155,6 @@ LAUNCHES[GATHER] = (
     ),
     {"num_warps": GATHER_WARPS},
 )  # fmt: skip
-
-for _scaled in (False, True):  # stage 2 fwd: rows times their routing weight; stage 1 bwd: with d(weight)
-    LAUNCHES[f"unfused transport (MXFP8): rows to sources, {'scaled' if _scaled else 'with scalars'}"] = (
-        _return_rows_kernel,
-        dict(
-            rows_ptr="*bf16", row_scale_ptr="*fp32" if _scaled else None,
-            scalar_ptr=None if _scaled else "*fp32", row_src_ptr="*i32", row_pos_ptr="*i32",
-            expert_start_ptr="*i32", comb_ptr="*bf16", comb_scalar_ptr="*fp32", comb_ready_ptr="*i32",
-            ptrs_dev="i64", state_ptr="*i32", rank="i32", world="i32", G="i32", H=H, num_programs="i32",
-            ROW_SCALE=_scaled, SCALAR=not _scaled, BLOCK_R=RETURN_BLOCK_R, BLOCK_H=RETURN_BLOCK_H,
-        ),
-        {"num_warps": 4},
-    )  # fmt: skip
 
 for _broadcast in (False, True):
     LAUNCHES[f"stage1 fwd: pool weights, {'broadcast' if _broadcast else 'push/pull'}"] = (

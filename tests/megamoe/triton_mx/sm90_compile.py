@@ -32,15 +32,21 @@ NUM_BLOCKS = -(-R // BLOCK) + G * WGRAD_BLOCK_ALIGN  # MXPlan.num_blocks: block 
 BINS = triton.next_power_of_2(G)  # quantize_segments._launch, swiglu_backward_quant
 
 
-def _gemm(*, gather: bool, rows: int, N: int, K: int, out: str) -> tuple:
+def _gemm(*, gather: bool, rows: int, N: int, K: int, out: str, remote: str = "") -> tuple:
     """grouped_gemm.mx_grouped_gemm: A from quantize_rows/swiglu_quant (codes block-major: ``[KB, rows]``
-    storage behind the ``[rows, KB]`` view), B from the weight cache (codes ``[KB, G, N]`` storage)."""
+    storage behind the ``[rows, KB]`` view), B from the weight cache (codes ``[KB, G, N]`` storage).
+    ``remote`` (EP over symmetric memory): ``"scale"`` rows times their routing weight, ``"scalar"``
+    rows with a scalar, sent to their sources."""
     cfg = gemm_config(CUDA)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     args = dict(
         a_ptr="*fp8e4nv", a_desc=None if gather else f"tensordesc<fp8e4nv[{bm},{BLOCK}]>", a_scale_ptr="*u8",
         a_rows_ptr="*i32" if gather else None, b_desc=f"tensordesc<fp8e4nv[1,{bn},{BLOCK}]>",
-        b_scale_ptr="*u8", c_ptr=out, tiles_ptr="*i32", num_tiles_ptr="*i32", N=N, K=K, stride_a=K,
+        b_scale_ptr="*u8", c_ptr=out, tiles_ptr="*i32", num_tiles_ptr="*i32",
+        row_scale_ptr="*fp32" if remote == "scale" else None, scalar_ptr="*fp32" if remote == "scalar" else None,
+        **dict.fromkeys(("row_src_ptr", "row_pos_ptr", "comb_ready_ptr", "epoch_ptr", "done_ptr"), "*i32" if remote else None),
+        comb_scalar_ptr="*fp32" if remote else None, ptrs_dev="i64", rank="i32", world="i32",
+        OUT_REMOTE=bool(remote), ROW_SCALE=remote == "scale", PUSH_SCALAR=remote == "scalar", N=N, K=K, stride_a=K,
         stride_as_r=1, stride_as_k=rows, stride_bs_g=N, stride_bs_n=1, stride_bs_k=G * N, stride_c=N,
         num_programs=NUM_SMS * cfg["PROGRAMS_PER_SM"], A_GATHER=gather,
         **config_constexprs(_mx_grouped_gemm_kernel, cfg, _LAUNCHER_ONLY, GROUP_M=8),
@@ -112,6 +118,13 @@ LAUNCHES = {
     "gemm: row gather, fp32 out (fc2 dgrad)": _gemm(gather=True, rows=T, N=I, K=H, out="*fp32"),
     # stage 2 fwd o = q(a) q(W2)^T; stage 1 bwd dx rows = q(dh) q(W1^T)^T (same specialisation)
     "gemm: A by TMA, bf16 out (fc2 fwd, fc1 dgrad)": _gemm(gather=False, rows=R, N=H, K=I, out="*bf16"),
+    # EP over symmetric memory: stage 2 fwd rows * weight, stage 1 bwd dx rows + d(weight) to their sources
+    "gemm: A by TMA, rows * weight to sources (EP fc2 fwd)": _gemm(
+        gather=False, rows=R, N=H, K=I, out="*bf16", remote="scale"
+    ),
+    "gemm: A by TMA, rows + scalar to sources (EP fc1 dgrad)": _gemm(
+        gather=False, rows=R, N=H, K=2 * I, out="*bf16", remote="scalar"
+    ),
     "wgrad (K-grouped)": _wgrad(H, I),
     "quantize rows (x, dy, weights)": _quantize_rows(T, H, valid=False),
     "quantize rows, valid rows (dh)": _quantize_rows(R, 2 * I, valid=True),
