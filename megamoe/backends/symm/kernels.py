@@ -244,6 +244,24 @@ def _pool_weights_kernel(
     tl.store(out_ptr + rows, w.to(out_ptr.dtype.element_ty), mask=rows < P)
 
 
+@triton.jit(do_not_specialize=["rank", "G", "P", "stage_rows", "stage_slots"])
+def _pool_tokens_kernel(
+    row_src_ptr, row_pos_ptr, expert_start_ptr, send_token_ptr, bcast_tok_ptr, out_ptr, rank, G, P, stage_rows,
+    stage_slots, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Broadcast mode: each pool row's row in the broadcast copies ``[W * stage_rows, H]`` (source rank
+    times ``stage_rows`` plus its token there; 0 past the valid rows). Own rows' tokens come from this
+    rank's send order, a peer's from the copy it made of its own (valid once its flags arrived)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = rows < tl.load(expert_start_ptr + G)
+    src = tl.load(row_src_ptr + rows, mask=valid, other=0)
+    pos = tl.load(row_pos_ptr + rows, mask=valid, other=0)
+    own, peer = valid & (src == rank), valid & (src != rank)
+    token = tl.load(send_token_ptr + pos, mask=own, other=0)
+    token += tl.load(bcast_tok_ptr + src.to(tl.int64) * stage_slots + pos, mask=peer, other=0)
+    tl.store(out_ptr + rows, src * stage_rows + token, mask=rows < P)
+
+
 @triton.jit
 def peer_ptr(local_ptr, bases, rank, r):
     """``local_ptr`` moved into rank ``r``'s copy of the workspace.

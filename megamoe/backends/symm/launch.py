@@ -16,6 +16,7 @@ from megamoe.backends.symm.kernels import (
     _barrier_kernel,
     _fused_kernel,
     _gather_broadcast_rows_kernel,
+    _pool_tokens_kernel,
     _pool_weights_kernel,
     _wait_kernel,
 )
@@ -250,6 +251,20 @@ def pool_weights(
         layout.row_src_R, layout.row_pos_R, layout.expert_start_G1, send_weight_S if broadcast else None,
         ws.view("bcast_weight") if broadcast else ws.view("pool_weight"), out, ws.rank,
         ws.num_local_experts, P, ws.max_tokens * ws.key.topk, BROADCAST=broadcast, BLOCK=block,
+    )  # fmt: skip
+    return out
+
+
+def pool_tokens(ws: SymmWorkspace, layout: SymmLayout, send_token_S: Tensor) -> Tensor:
+    """Broadcast mode, once every peer's copy arrived: each pool row's row in ``bcast_x`` viewed as
+    ``[W * T_max, H]`` (``[P]`` int32, 0 past the valid rows), with this rank's own rows copied into its
+    own slot. A GEMM that gathers rows reads the pool's rows from there without a pool."""
+    P = ws.pool_rows
+    out = torch.empty(P, dtype=torch.int32, device=ws.state.device)
+    block = 1024
+    _pool_tokens_kernel[(triton.cdiv(P, block),)](
+        layout.row_src_R, layout.row_pos_R, layout.expert_start_G1, send_token_S, ws.view("bcast_token"),
+        out, ws.rank, ws.num_local_experts, P, ws.max_tokens, ws.max_tokens * ws.key.topk, BLOCK=block,
     )  # fmt: skip
     return out
 

@@ -2,17 +2,19 @@
 
 Legend: T tokens, H hidden, K top-k, P pool rows (expert-major, rows past ``expert_start[G]`` are padding).
 
-For expert backends whose GEMMs read a filled pool (the MXFP8 kernels): the rows routed to this rank
-land in its pool in pool order, which TMA-fed grouped GEMMs read as they are; the GEMM that makes the
-expert outputs sends each row to its source's combine slot from its epilogue and releases
-``combine_ready`` (as the bf16 fused kernel does), and the source sums over K. It uses the fused
-path's workspace, layout, ops and signals (each step one op, its barrier first), so it needs no host
-sync and captures in a CUDA graph; the dispatch does not overlap with the GEMMs::
+For expert backends whose GEMMs start once all their rows arrived (the MXFP8 kernels): the rows
+routed to this rank are made readable first, by row index from the broadcast copies or in pool
+order from a filled pool; the GEMM that makes the expert outputs sends each row to its source's
+combine slot from its epilogue and releases ``combine_ready`` (as the bf16 fused kernel does), and the
+source sums over K. It uses the fused path's workspace, layout, ops and signals (each step one op, its
+barrier first), so it needs no host sync and captures in a CUDA graph; the dispatch does not overlap
+with the GEMMs::
 
     op start        [pull mode: stage src_TH] barrier (stage 1: with the count exchange and the layout)
-    fill_pool       broadcast mode: copy src_TH to every peer (copy engines), gather the pool from the
-                    copies; push and pull mode: the fused kernel's comm role alone; wait for the pool
-    ...             the backend's GEMMs on the pool; the last one stores its rows at their sources
+    dispatch_rows   broadcast mode: copy src_TH to every peer (copy engines) and into this rank's own
+                    slot, wait, each pool row's index into the copies; push and pull mode: the fused
+                    kernel's comm role alone fills the pool; wait
+    ...             the backend's GEMMs; the last one stores its rows at their sources
     wait_returned   every peer's rows for this rank landed
     combine_rows    y[t] = sum_k combine[slot (t, k)]   (fixed order, fp32)
 """
@@ -31,15 +33,21 @@ _SYMM = SymmBackend()
 
 
 def begin(plan: SymmPlan, src_TH: Tensor | None = None) -> None:
-    """Start an op after stage 1; with ``src_TH``, one that will :func:`fill_pool` from it (pull mode
+    """Start an op after stage 1; with ``src_TH``, one that will :func:`dispatch_rows` from it (pull mode
     stages its rows before the barrier)."""
     _SYMM.begin(plan, None if src_TH is None else _SYMM.dispatch(plan, src_TH))
 
 
-def fill_pool(plan: SymmPlan, src_TH: Tensor, weights_TK: Tensor | None = None) -> Tensor | None:
-    """After the op's start: this rank's pool holds every rank's rows of ``src_TH`` routed here, in pool
-    order. With ``weights_TK``, returns each pool row's routing weight (``[P]``, 0 past the valid rows).
+def dispatch_rows(
+    plan: SymmPlan, src_TH: Tensor, weights_TK: Tensor | None = None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """After the op's start: ``(rows, index_P, weights_P)``, where this rank's pool row r is
+    ``rows[index_P[r]]``, or ``rows[r]`` when ``index_P`` is None; with ``weights_TK``, each pool row's
+    routing weight (``[P]``, 0 past the valid rows).
 
+    Broadcast mode: ``rows`` are every rank's ``src_TH`` side by side in this workspace's copies
+    (``[W * T_max, H]``; this rank's copied in locally), so no pool is filled and a quantiser reads each
+    token once. Push and pull mode: ``rows`` is the pool, filled by the fused kernel's comm role alone.
     Every rank sends whatever it needs itself, since its peers wait for its rows."""
     ws, lay, s = plan.ws, plan.layout, plan.send
     send_weight_S = None
@@ -47,14 +55,18 @@ def fill_pool(plan: SymmPlan, src_TH: Tensor, weights_TK: Tensor | None = None) 
         if weights_TK is not None:
             send_weight_S = s.row_values_R(weights_TK).float()
         launch.broadcast_rows(ws, src_TH, s.row_token_R, send_weight_S)
-        launch.gather_broadcast_rows(ws, lay, src_TH, s.row_token_R)
+        copies, own = ws.view("bcast_x"), ws.rank * ws.max_tokens
+        copies[own : own + src_TH.shape[0]].copy_(src_TH)
+        ws.view("pool_ready")[ws.rank].copy_(ws.signal_G)  # own flags too: one wait covers every source
+        launch.wait_flags(ws, "pool_ready", COUNTER_POOL)
         launch.join_broadcast(ws)
+        rows, index = copies, launch.pool_tokens(ws, lay, s.row_token_R)
     else:
         launch.push_rows(ws, _SYMM.dispatch(plan, src_TH, weights_TK))
         launch.wait_flags(ws, "pool_ready", COUNTER_POOL)
-    if weights_TK is None:
-        return None
-    return launch.pool_weights(ws, lay, send_weight_S, weights_TK.dtype)
+        rows, index = ws.view("pool"), None
+    weights = None if weights_TK is None else launch.pool_weights(ws, lay, send_weight_S, weights_TK.dtype)
+    return rows, index, weights
 
 
 def wait_returned(plan: SymmPlan) -> None:

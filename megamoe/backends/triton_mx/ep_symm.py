@@ -3,20 +3,20 @@
 Legend: T tokens, H hidden, I intermediate, K top-k, P pool rows (expert-major; past ``expert_start[G]``
 padding).
 
-The one-GPU MX kernels (:class:`~.experts.MXExperts`) run on the workspace's pool in pool order, and
-:mod:`megamoe.backends.symm.transport` moves the rows: device-side, static shapes, so forward and
-backward capture in a CUDA graph (the NCCL transport reads split sizes on the host and cannot). The
-plan is the bf16 fused path's :class:`~megamoe.backends.symm.ops.SymmState`. The combine is fused:
-the MX GEMMs that make expert outputs store each row at its source from their epilogues
-(:class:`~.grouped_gemm.RemoteRows`). The dispatch is not yet: the pool is filled before the GEMM
-reads it (per-tile waits and two-source row addressing in the MX GEMM, as the bf16 fused kernel has,
-would overlap it)::
+The one-GPU MX kernels (:class:`~.experts.MXExperts`) read the rows that
+:mod:`megamoe.backends.symm.transport` moved: by row index from the broadcast copies (as the one-GPU
+path gathers from ``x``), or from a filled pool. Device-side, static shapes: forward and backward
+capture in a CUDA graph (the NCCL transport reads split sizes on the host and cannot). The plan is the
+bf16 fused path's :class:`~megamoe.backends.symm.ops.SymmState`. The combine is fused: the MX GEMMs
+that make expert outputs store each row at its source from their epilogues
+(:class:`~.grouped_gemm.RemoteRows`). The dispatch is not yet: the rows arrive before the GEMM starts
+(per-tile waits in the MX GEMM, as the bf16 fused kernel has, would overlap them)::
 
-    stage 1 fwd   count exchange, layout; x rows -> pools; h = q(pool) q(W1)^T
+    stage 1 fwd   count exchange, layout; x rows moved; h = q(x)[rows] q(W1)^T
     stage 2 fwd   q(swiglu(h)) q(W2)^T, each row * w stored at its source; y = sum over K (fp32)
-    stage 2 bwd   dy rows -> pools; da = q(pool) q(W2^T)^T; SwiGLU bwd; dW2 = q(pool)^T q(w a)
-    stage 1 bwd   x rows -> pools again (never saved); q(dh) q(W1^T)^T, each row stored at its source
-                  with d(weight); dx = sum over K; dW1 = q(dh)^T q(pool)
+    stage 2 bwd   dy rows moved; da = q(dy)[rows] q(W2^T)^T; SwiGLU bwd; dW2 = q(dy[rows])^T q(w a)
+    stage 1 bwd   x rows moved again (never saved); q(dh) q(W1^T)^T, each row stored at its source
+                  with d(weight); dx = sum over K; dW1 = q(dh)^T q(x[rows])
 
 Rows move in bf16 and are quantised on the expert's rank, which is bit-identical to quantising at the
 source (rowwise blocks commute with moving rows).
@@ -65,8 +65,8 @@ def stage1_forward(
     x, weights_TK = x_TH.contiguous(), topk_weights_TK.contiguous()
     plan = eager_plan(state, x)
     _SYMM.exchange(plan, x, weights_TK)
-    weights = transport.fill_pool(plan, x, weights_TK)
-    h = experts.gemm1(plan.ws.view("pool"), w1_G2IH, row_plan(plan.recv), None)
+    rows, index, weights = transport.dispatch_rows(plan, x, weights_TK)
+    h = experts.gemm1(rows, w1_G2IH, row_plan(plan.recv), index)
     launch.check(plan.ws)
     return (h, weights, None, *state_of(plan))
 
@@ -97,14 +97,14 @@ def stage2_backward(
     dy = dy_TH.to(h_P2I.dtype).contiguous()
     plan = eager_plan(state, dy)
     transport.begin(plan, dy)
-    transport.fill_pool(plan, dy)  # every rank sends its dy: a peer may need it whatever this rank needs
+    rows, index, _ = transport.dispatch_rows(plan, dy)  # always: a peer may need this rank's dy
     dh, d_weights, dw2 = experts.gemm2_backward(
         h_P2I.contiguous(),
         dispatch_weights_P.contiguous(),
         w2_GHI,
         row_plan(plan.recv),
-        plan.ws.view("pool"),
-        None,
+        rows,
+        index,
         need_dw2,
     )
     launch.check(plan.ws)
@@ -129,11 +129,11 @@ def stage1_backward(
     plan = eager_plan(state, x)
     rows = row_plan(plan.recv)
     transport.begin(plan, x)
-    transport.fill_pool(plan, x)  # the dispatched x again, for dW1 (a peer's may need it, so always)
+    x_rows, index, _ = transport.dispatch_rows(plan, x)  # x again, for dW1 (always: a peer may need it)
     experts.dgrad1(grad_h, w1_G2IH, rows, _to_sources(plan, scalar_P=grad_dispatch_weights_P))
     transport.wait_returned(plan)
     dx = transport.combine_rows(plan) if need_dx else None
     d_weights = transport.returned_scalars(plan, grad_dispatch_weights_P.dtype) if need_dweights else None
-    dw1 = experts.wgrad1(grad_h, plan.ws.view("pool"), w1_G2IH, rows, None) if need_dw1 else None
+    dw1 = experts.wgrad1(grad_h, x_rows, w1_G2IH, rows, index) if need_dw1 else None
     launch.check(plan.ws)
     return dx, d_weights, dw1

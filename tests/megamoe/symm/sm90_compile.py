@@ -18,6 +18,7 @@ from megamoe.backends.symm.kernels import (
     _barrier_kernel,
     _fused_kernel,
     _gather_broadcast_rows_kernel,
+    _pool_tokens_kernel,
     _pool_weights_kernel,
 )
 from megamoe.backends.symm.layout import _layout_kernel
@@ -154,6 +155,16 @@ LAUNCHES[GATHER] = (
         max_spins="i32", BLOCK_R=GATHER_BLOCK_R, BLOCK_H=GATHER_BLOCK_H,
     ),
     {"num_warps": GATHER_WARPS},
+)  # fmt: skip
+
+LAUNCHES["unfused transport (MXFP8), broadcast: pool rows' rows in the copies"] = (
+    _pool_tokens_kernel,
+    dict(
+        row_src_ptr="*i32", row_pos_ptr="*i32", expert_start_ptr="*i32", send_token_ptr="*i32",
+        bcast_tok_ptr="*i32", out_ptr="*i32", rank="i32", G="i32", P="i32", stage_rows="i32",
+        stage_slots="i32", BLOCK=1024,
+    ),
+    {"num_warps": 4},
 )  # fmt: skip
 
 for _broadcast in (False, True):
