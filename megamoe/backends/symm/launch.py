@@ -256,9 +256,9 @@ def pool_weights(
 
 
 def pool_tokens(ws: SymmWorkspace, layout: SymmLayout, send_token_S: Tensor) -> Tensor:
-    """Broadcast mode, once every peer's copy arrived: each pool row's row in ``bcast_x`` viewed as
-    ``[W * T_max, H]`` (``[P]`` int32, 0 past the valid rows), with this rank's own rows copied into its
-    own slot. A GEMM that gathers rows reads the pool's rows from there without a pool."""
+    """Broadcast mode, once every peer's copy arrived: each pool row's row in ``bcast_x`` (``[W * T_max,
+    H]``; ``[P]`` int32, 0 past the valid rows), for a GEMM that gathers its rows there instead of from a
+    filled pool. The caller copies this rank's own rows into its own slot."""
     P = ws.pool_rows
     out = torch.empty(P, dtype=torch.int32, device=ws.state.device)
     block = 1024

@@ -54,7 +54,7 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(group_name)
 
 
-def plan_from_state(
+def _plan(
     state: list[Tensor], group_name: str, num_experts: int, num_tokens: int, topk: int, x_like: Tensor
 ) -> SymmPlan:
     """The eager plan from the ops' state (``x_like``: ``[*, H]`` in the activations' dtype, which with
@@ -70,13 +70,13 @@ def plan_from_state(
 
 def eager_plan(state: SymmState, x_like: Tensor) -> SymmPlan:
     """``state``'s plan for eager steps outside the custom ops: the send side alone before stage 1, the
-    whole plan after it (``x_like`` as for :func:`plan_from_state`)."""
+    whole plan after it (``x_like`` as for :func:`_plan`)."""
     if not state.state:
         return _BACKEND.make_plan(
             state.topk_idx_TK, num_experts=state.num_experts, group=_group(state.group_name)
         )
     T, K = state.topk_idx_TK.shape
-    return plan_from_state(list(state.state), state.group_name, state.num_experts, T, K, x_like)
+    return _plan(list(state.state), state.group_name, state.num_experts, T, K, x_like)
 
 
 def state_of(plan: SymmPlan) -> list[Tensor]:
@@ -132,7 +132,7 @@ def stage2_forward(
 ) -> Tensor:
     """``y [T, H]``: SwiGLU, GEMM2 with the rows sent back to their sources, the sum over K."""
     hidden = h_P2I.new_empty(0, w2_GHI.shape[1])
-    plan = plan_from_state(state, group_name, num_experts, num_tokens, topk, hidden)
+    plan = _plan(state, group_name, num_experts, num_tokens, topk, hidden)
     return _BACKEND.stage2_forward(h_P2I, dispatch_weights_P, w2_GHI, plan)
 
 
@@ -157,7 +157,7 @@ def stage2_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dh, d_dispatch_weights, dW2)``; the ones not asked for have no elements."""
     hidden = h_P2I.new_empty(0, dy_TH.shape[1])
-    plan = plan_from_state(state, group_name, num_experts, dy_TH.shape[0], topk, hidden)
+    plan = _plan(state, group_name, num_experts, dy_TH.shape[0], topk, hidden)
     dh, d_weights, dw2 = _BACKEND.stage2_backward(
         h_P2I, dispatch_weights_P, w2_GHI, plan, dy_TH, (need_dh, need_dweights, need_dw2)
     )
@@ -200,7 +200,7 @@ def stage1_backward(
     need_dw1: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, d_topk_weights, dW1)``, the dispatched ``x`` recomputed; those not asked for have no elements."""
-    plan = plan_from_state(state, group_name, num_experts, x_TH.shape[0], topk, x_TH)
+    plan = _plan(state, group_name, num_experts, x_TH.shape[0], topk, x_TH)
     dx, d_weights, dw1 = _BACKEND.stage1_backward(
         x_TH, w1_G2IH, plan, grad_h_P2I, grad_dispatch_weights_P, (need_dx, need_dweights, need_dw1)
     )
