@@ -62,11 +62,13 @@ def _weights(seed: int):
     return w1, w2
 
 
-def _step(x, idx, tw, w1, w2, dy, *, group, backend="triton", dtype=None):
+def _step(x, idx, tw, w1, w2, dy, *, group, backend="triton", dtype=None, precision="bf16"):
     from megamoe import fused_mega_moe
 
     leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (x, tw, w1, w2)]
-    y = fused_mega_moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], group=group, backend=backend)
+    y = fused_mega_moe(
+        leaves[0], idx, leaves[1], leaves[2], leaves[3], group=group, backend=backend, precision=precision
+    )
     grads = torch.autograd.grad(y, leaves, dy.to(y.dtype))
     return dict(zip(GRADS, (y.detach(), *grads), strict=True))
 
@@ -119,7 +121,11 @@ def test_bf16_accuracy(tmp_path, world, tokens, dispatch) -> None:
             assert cos >= 0.999 and snr >= 35, f"rank {rank} {name}: cosine {cos:.5f}, SNR {snr:.1f} dB"
 
 
-def _layers_rank(rank: int, world: int, layers: int, dispatch: str) -> list[tuple[str, float]]:
+def _layers_rank(
+    rank: int, world: int, layers: int, dispatch: str, precision: str = "bf16"
+) -> list[tuple[str, float]]:
+    """Layers back to back over symmetric memory and over NCCL; the SNR of each output between them
+    (shared with tests/megamoe/triton_mx/test_gpu_ep_symm.py, which passes ``precision="mxfp8"``)."""
     import os
 
     import torch.distributed as dist
@@ -134,7 +140,8 @@ def _layers_rank(rank: int, world: int, layers: int, dispatch: str) -> list[tupl
         for layer in range(layers):
             x, idx, tw, dy = _inputs(1500 + 300 * rank - 40 * layer, seed=100 * layer + rank)
             w1, w2 = _weights(layer)
-            xs.append(_step(x, idx, tw, _local(w1, rank), _local(w2, rank), dy, group=dist.group.WORLD))
+            local = (_local(w1, rank), _local(w2, rank))
+            xs.append(_step(x, idx, tw, *local, dy, group=dist.group.WORLD, precision=precision))
         outs[transport] = xs
     return [
         (f"layer {i} {name}", snr_db(a[name].float(), b[name].float()))
@@ -153,7 +160,9 @@ def test_twenty_layers_back_to_back_match_the_nccl_transport(tmp_path, world, di
             assert snr >= 40, f"rank {rank} {what}: SNR {snr:.1f} dB against the NCCL transport"
 
 
-def _graph_rank(rank: int, world: int, dispatch: str) -> dict:
+def _graph_rank(rank: int, world: int, dispatch: str, precision: str = "bf16") -> dict:
+    """A captured forward + backward replayed on new inputs and routing, against eager (shared with
+    tests/megamoe/triton_mx/test_gpu_ep_symm.py, which passes ``precision="mxfp8"``)."""
     import os
 
     import torch.distributed as dist
@@ -170,7 +179,7 @@ def _graph_rank(rank: int, world: int, dispatch: str) -> dict:
     tw_s.requires_grad_()
 
     def step():
-        y = fused_mega_moe(x_s, idx_s, tw_s, w1, w2, group=group, backend="triton")
+        y = fused_mega_moe(x_s, idx_s, tw_s, w1, w2, group=group, backend="triton", precision=precision)
         return (y, *torch.autograd.grad(y, (x_s, tw_s, w1, w2), dy_s))
 
     graph, captured = capture(step, warmup=3)
@@ -182,7 +191,7 @@ def _graph_rank(rank: int, world: int, dispatch: str) -> dict:
                 dst.copy_(src)
         graph.replay()
         torch.cuda.synchronize()
-        eager = _step(*fresh[:3], w1, w2, fresh[3], group=group)
+        eager = _step(*fresh[:3], w1, w2, fresh[3], group=group, precision=precision)
         for name, got in zip(GRADS, captured, strict=True):
             results[f"replay {trial} {name}"] = torch.equal(got, eager[name])
     return results
