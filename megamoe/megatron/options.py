@@ -173,17 +173,12 @@ def decide_mega_moe(config, options: MegaMoEOptions) -> MegaMoEDecision:
         )
     ep = config.expert_model_parallel_size
     precision = options.precision
-    mx_kernels = (
-        precision == "mxfp8"
-        and on_gpu
-        and torch.version.hip is None
-        and options.backend in ("auto", "triton")
-    )
+    triton_kernels = on_gpu and torch.version.hip is None and options.backend in ("auto", "triton")
     if precision == "mxfp8":
-        precision += " (Triton MXFP8 kernels)" if mx_kernels else " (exact emulation)"
+        precision += " (Triton MXFP8 kernels)" if triton_kernels else " (exact emulation)"
     exchange = ""
-    if ep > 1 and on_gpu:  # the MXFP8 kernels exchange tokens over NCCL only (no fused symm path)
-        exchange = f", EP exchange={'nccl' if mx_kernels else ep_transport(torch.device('cuda'))}"
+    if ep > 1 and on_gpu:  # the Triton backends, bf16 and MXFP8, take MEGAMOE_EP_TRANSPORT; the rest NCCL
+        exchange = f", EP exchange={ep_transport(torch.device('cuda')) if triton_kernels else 'nccl'}"
     return MegaMoEDecision(
         True,
         f"MoELayer replaced by MegaMoE: enable_primus_turbo and use_turbo_mega_moe on, TP=1, "
