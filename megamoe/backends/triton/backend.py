@@ -33,7 +33,7 @@ from megamoe.backends.symm import ops as symm_ops
 from megamoe.backends.symm.ops import SymmState
 from megamoe.backends.triton import ops
 from megamoe.backends.triton.configs import block_m
-from megamoe.backends.triton.routing import RoutingPlan, build_routing_plan
+from megamoe.backends.triton.routing import RoutingPlan, build_received_plan, build_routing_plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +79,7 @@ class TritonBackend:
         if ep == 1:
             return TritonPlan(build_routing_plan(topk_idx_TK, num_experts=num_experts, block_m=bm), None)
         exchange = TokenExchange.build(topk_idx_TK, num_experts=num_experts, group=group)
-        counts = torch.tensor(exchange.tokens_per_expert, device=topk_idx_TK.device)
-        local_expert_R1 = torch.repeat_interleave(
-            torch.arange(counts.numel(), device=topk_idx_TK.device), counts
-        ).unsqueeze(1)
-        routing = build_routing_plan(local_expert_R1, num_experts=exchange.num_local_experts, block_m=bm)
+        routing = build_received_plan(exchange.tokens_per_expert, block_m=bm, device=topk_idx_TK.device)
         return TritonPlan(routing, exchange)
 
     def with_stage1_state(

@@ -257,3 +257,11 @@ def build_routing_plan(topk_idx_TK: Tensor, *, num_experts: int, block_m: int) -
         tiles_X3=tiles_X3,
         num_tiles_1=num_tiles_1,
     )
+
+
+def build_received_plan(rows_per_expert: list[int], *, block_m: int, device: torch.device) -> RoutingPlan:
+    """The plan of rows already sorted by local expert (what an all-to-all exchange received:
+    ``rows_per_expert[g]`` rows of expert g, in order), as rows of one slot each."""
+    counts = torch.tensor(rows_per_expert, device=device)
+    expert_R1 = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts).unsqueeze(1)
+    return build_routing_plan(expert_R1, num_experts=len(rows_per_expert), block_m=block_m)

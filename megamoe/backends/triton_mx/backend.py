@@ -44,7 +44,7 @@ from megamoe.backends.exchange import TokenExchange
 from megamoe.backends.symm.ops import SymmState
 from megamoe.backends.triton.combine import combine
 from megamoe.backends.triton.configs import block_m
-from megamoe.backends.triton.routing import build_routing_plan
+from megamoe.backends.triton.routing import build_received_plan, build_routing_plan
 from megamoe.backends.triton_mx import ep_symm
 from megamoe.backends.triton_mx.experts import MXExperts, RowPlan, check_widths, row_plan
 from megamoe.backends.triton_mx.weights import weight_cache
@@ -88,11 +88,7 @@ class MXFP8TritonBackend:
             routing = build_routing_plan(topk_idx_TK, num_experts=num_experts, block_m=block_m(device))
             return MXPlan(row_plan(routing), None)
         exchange = TokenExchange.build(topk_idx_TK, num_experts=num_experts, group=group)
-        counts = torch.tensor(exchange.tokens_per_expert, device=device)
-        local_expert_R1 = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)
-        routing = build_routing_plan(
-            local_expert_R1.unsqueeze(1), num_experts=exchange.num_local_experts, block_m=block_m(device)
-        )
+        routing = build_received_plan(exchange.tokens_per_expert, block_m=block_m(device), device=device)
         return MXPlan(row_plan(routing), exchange)
 
     def with_stage1_state(self, plan: MXPlan | SymmState, state: tuple[Tensor, ...]) -> MXPlan | SymmState:
