@@ -1,0 +1,213 @@
+"""Where the side gather's cost beside a dgrad GEMM comes from, sample by sample, on one GPU.
+
+    PYTHONPATH=$PWD python3 benchmarks/profile_side_gather.py [--samples 100] [--json out.json]
+
+At DeepSeek-V3's per-rank shape it times the dgrad GEMMs (``dgrad1``: ``dh @ W1``; ``dgrad2``: the
+dy-gathering ``dy[rows] @ W2``) each ``--samples`` times alone and with the backward's row gather
+beside them (one CUDA-event pair per sample, the L2 flushed before each), with each gather variant
+of :data:`VARIANTS`: how its row blocks are shared out (a fixed stride, as ``side_gather`` does, or a
+device counter) and how fast it goes (at once, or paced by the global timer to span a fraction of the
+GEMM's time). Every gather program records its multiprocessor (``%smid``) and its start and end, so a
+slow sample can be matched to how the gather's programs were placed: ``doubled`` counts the
+multiprocessors that got two or more gather programs, where the GEMM's own program (256 threads at up
+to 224 registers) then no longer fits until one of them ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+
+from megamoe.backends.triton.configs import gemm_config, num_programs
+from megamoe.backends.triton.grouped_gemm import grouped_gemm
+from megamoe.backends.triton.routing import build_routing_plan
+from megamoe.backends.triton.side_gather import BLOCK_H, BLOCK_R, NUM_WARPS, copy_rows_streaming
+from megamoe.bench import MODELS, make_routing
+
+VARIANTS = {"fixed-stride": (0, 0.0), "counter": (1, 0.0), "paced-50": (2, 0.5), "paced-80": (2, 0.8)}
+"""gather variant: (the kernel's MODE, the fraction of the GEMM's median time alone a paced gather spans)"""
+ROUNDS = 5
+
+
+@triton.jit
+def _sm_and_time(x):
+    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+    ns = tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1
+    )
+    return sm, ns
+
+
+@triton.jit
+def _copy_block(src_ptr, index_ptr, out_ptr, block, R, H, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    src_row = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    copy_rows_streaming(src_ptr + src_row * H, out_ptr + rows.to(tl.int64) * H, row_ok, H, BLOCK_H)
+
+
+@triton.jit
+def _traced_gather_kernel(
+    src_ptr, index_ptr, out_ptr, R, H, num_programs, counters_ptr, interval_ns, trace_ptr,
+    MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """``out[r] = src[index[r]]`` in blocks of ``BLOCK_R`` rows. ``MODE`` 0: program p copies blocks p,
+    p + P, ... (side_gather's kernel); 1: blocks from a device counter (the last program out resets it);
+    2: as 0, its j-th block not before ``j * interval_ns`` after its start. Records (sm, start, end)."""
+    pid = tl.program_id(0)
+    sm, start = _sm_and_time(pid)
+    blocks = tl.cdiv(R, BLOCK_R)
+    if MODE == 1:
+        block = tl.atomic_add(counters_ptr, 1)
+        while block < blocks:
+            _copy_block(src_ptr, index_ptr, out_ptr, block, R, H, BLOCK_R, BLOCK_H)
+            block = tl.atomic_add(counters_ptr, 1)
+        if tl.atomic_add(counters_ptr + 1, 1) == num_programs - 1:
+            tl.store(counters_ptr + tl.arange(0, 2), tl.zeros((2,), tl.int32))
+    else:
+        due = start
+        for block in range(pid, blocks, num_programs):
+            if MODE == 2:
+                _, now = _sm_and_time(pid)
+                while now < due:
+                    _, now = _sm_and_time(pid)
+                due += interval_ns
+            _copy_block(src_ptr, index_ptr, out_ptr, block, R, H, BLOCK_R, BLOCK_H)
+    _, end = _sm_and_time(pid)
+    tl.store(trace_ptr + pid * 3, sm.to(tl.int64))
+    tl.store(trace_ptr + pid * 3 + 1, start)
+    tl.store(trace_ptr + pid * 3 + 2, end)
+
+
+def _inputs(device: torch.device) -> dict:
+    shape = MODELS["DeepSeek-V3"]
+    T, H, I, G = shape.tokens, shape.hidden, shape.inter, shape.experts
+    torch.manual_seed(0)
+    bf16 = {"device": device, "dtype": torch.bfloat16}
+    idx, _ = make_routing(shape, "uniform", device=device)
+    plan = build_routing_plan(idx, num_experts=G, block_m=gemm_config("dgrad1", device)["BLOCK_M"])
+    R = T * shape.topk
+    return {
+        "plan": plan,
+        "x": torch.randn(T, H, **bf16),
+        "dy": torch.randn(T, H, **bf16),
+        "w1": torch.randn(G, 2 * I, H, **bf16) / H**0.5,
+        "w2": torch.randn(G, H, I, **bf16) / I**0.5,
+        "dh": torch.randn(R, 2 * I, **bf16),
+        "dx_rows": torch.empty(R, H, **bf16),
+        "da": torch.empty(R, I, **bf16),
+        "gathered": torch.empty(R, H, **bf16),
+    }
+
+
+def _gemm(op: str, t: dict, sms: int):
+    plan, device = t["plan"], t["x"].device
+    if op == "dgrad1":
+        cfg = gemm_config("dgrad1", device)
+        return lambda: grouped_gemm(
+            t["dh"], t["w1"], t["dx_rows"], plan, a_mode=0, b_kn=True, config=cfg, num_sms=sms
+        )
+    cfg = gemm_config("dgrad2", device)
+    return lambda: grouped_gemm(
+        t["dy"], t["w2"], t["da"], plan, a_mode=1, b_kn=True, config=cfg, num_sms=sms, a_rows=plan.row_token_R
+    )
+
+
+def _profile(op: str, variant: str | None, t: dict, samples: int, alone_ms: float = 0.0) -> dict:
+    """Per-sample ms of the GEMM with the gather ``variant`` beside it (None: alone), and the placements."""
+    device, sms = t["x"].device, num_programs(t["x"].device)
+    gemm = _gemm(op, t, sms)
+    src = t["x"] if op == "dgrad1" else t["dy"]
+    index, out = t["plan"].row_token_R, t["gathered"]
+    mode, span = VARIANTS[variant] if variant else (0, 0.0)
+    per_program = triton.cdiv(triton.cdiv(index.numel(), BLOCK_R), sms)
+    interval_ns = int(span * alone_ms * 1e6 / per_program)
+    counters = torch.zeros(2, dtype=torch.int32, device=device)
+    trace = torch.zeros(samples, sms, 3, dtype=torch.int64, device=device)
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+    times = []
+    for i in range(-3, samples):  # three warm-up calls
+        flush.zero_()
+        begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        side.wait_stream(main)  # the fork point, before the GEMM, as RowGather records it
+        begin.record()
+        gemm()
+        if variant is not None:
+            with torch.cuda.stream(side):
+                _traced_gather_kernel[(sms,)](
+                    src, index, out, index.numel(), src.shape[1], sms, counters, interval_ns, trace[max(i, 0)],
+                    MODE=mode, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS,
+                )  # fmt: skip
+            main.wait_stream(side)
+        finish.record()
+        if i >= 0:
+            times.append((begin, finish))
+    torch.cuda.synchronize()
+    ms = [b.elapsed_time(f) for b, f in times]
+    result = {"op": op, "gather": variant or "none", "ms": ms}
+    if variant is not None:
+        placements = trace.cpu()
+        doubled = []
+        for s in range(samples):
+            sm_ids = placements[s, :, 0].tolist()
+            doubled.append(sum(1 for sm in set(sm_ids) if sm_ids.count(sm) > 1))
+        result["doubled"] = doubled
+        span_ms = (placements[:, :, 2].max(dim=1).values - placements[:, :, 1].min(dim=1).values) / 1e6
+        result["gather_span_ms"] = span_ms.tolist()
+    return result
+
+
+def _summary(r: dict) -> str:
+    ms = sorted(r["ms"])
+    q = statistics.quantiles(ms, n=10)
+    line = f"| {r['op']} | {r['gather']} | {ms[0]:.3f} | {q[0]:.3f} | {statistics.median(ms):.3f} | {q[-1]:.3f} | {ms[-1]:.3f} |"
+    if "doubled" in r:
+        with_d = [m for m, d in zip(r["ms"], r["doubled"], strict=True) if d]
+        without = [m for m, d in zip(r["ms"], r["doubled"], strict=True) if not d]
+        mean = lambda v: f"{statistics.mean(v):.3f}" if v else "-"  # noqa: E731
+        line += f" {len(with_d)} | {mean(with_d)} | {mean(without)} | {statistics.median(r['gather_span_ms']):.3f} |"
+    else:
+        line += " - | - | - | - |"
+    return line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=100)
+    parser.add_argument("--json", help="write every sample there")
+    args = parser.parse_args()
+    t = _inputs(torch.device("cuda"))
+    print(
+        "| op | gather | min ms | p10 | median | p90 | max | samples with a doubled SM | their mean ms | "
+        "the others' | gather span ms (median) |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    results = []
+    for op in ("dgrad1", "dgrad2"):
+        pace_ms = statistics.median(_profile(op, None, t, 20)["ms"])  # the pace's reference, untimed
+        legs: dict[str | None, dict] = {}
+        for _ in range(ROUNDS):  # interleaved, so the card's clock drift falls on every leg alike
+            for variant in (None, *VARIANTS):
+                part = _profile(op, variant, t, args.samples // ROUNDS, pace_ms)
+                if variant not in legs:
+                    legs[variant] = part
+                else:
+                    for key in ("ms", "doubled", "gather_span_ms"):
+                        if key in part:
+                            legs[variant][key] += part[key]
+        for leg in legs.values():
+            results.append(leg)
+            print(_summary(leg), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f)
+
+
+if __name__ == "__main__":
+    main()
