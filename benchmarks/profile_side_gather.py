@@ -29,9 +29,20 @@ from megamoe.backends.triton.routing import build_routing_plan
 from megamoe.backends.triton.side_gather import BLOCK_H, BLOCK_R, NUM_WARPS, copy_rows_streaming
 from megamoe.bench import MODELS, make_routing
 
-VARIANTS = {"fixed-stride": (0, 0.0), "counter": (1, 0.0), "paced-50": (2, 0.5), "paced-80": (2, 0.8)}
-"""gather variant: (the kernel's MODE, the fraction of the GEMM's median time alone a paced gather spans)"""
+VARIANTS = {
+    "fixed-stride": (0, 0.0, "default", ""),
+    "counter": (1, 0.0, "default", ""),
+    "paced-80": (2, 0.8, "default", ""),
+    "ld.cg": (0, 0.0, ".cg", ""),
+    "ld.cg st.cs": (0, 0.0, ".cg", ".cs"),
+    "ld.cg st.cg": (0, 0.0, ".cg", ".cg"),
+    "ld.cv st.cs": (0, 0.0, ".cv", ".cs"),
+    "scatter": (3, 0.0, "", ""),
+}
+"""gather variant: the kernel's MODE, the fraction of the GEMM's median time alone a paced gather spans,
+the loads' and stores' cache modifiers ("default": side_gather's streaming copy, evict-first hints)"""
 ROUNDS = 5
+SCATTER_T = 4  # tokens per step of the scatter: 8 would need 72 registers, over what fits beside a GEMM
 
 
 @triton.jit
@@ -44,31 +55,55 @@ def _sm_and_time(x):
 
 
 @triton.jit
-def _copy_block(src_ptr, index_ptr, out_ptr, block, R, H, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _copy_block(
+    src_ptr, index_ptr, out_ptr, block, R, H, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    LOAD_CM: tl.constexpr, STORE_CM: tl.constexpr,
+):  # fmt: skip
     rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     src_row = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    copy_rows_streaming(src_ptr + src_row * H, out_ptr + rows.to(tl.int64) * H, row_ok, H, BLOCK_H)
+    if LOAD_CM == "default":
+        copy_rows_streaming(src_ptr + src_row * H, out_ptr + rows.to(tl.int64) * H, row_ok, H, BLOCK_H)
+    else:
+        from_rows, to_rows = src_ptr + src_row * H, out_ptr + rows.to(tl.int64) * H
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            mask = row_ok[:, None] & (cols < H)[None, :]
+            v = tl.load(from_rows[:, None] + cols[None, :], mask=mask, cache_modifier=LOAD_CM)
+            tl.store(to_rows[:, None] + cols[None, :], v, mask=mask, cache_modifier=STORE_CM)
 
 
 @triton.jit
 def _traced_gather_kernel(
-    src_ptr, index_ptr, out_ptr, R, H, num_programs, counters_ptr, interval_ns, trace_ptr,
-    MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    src_ptr, index_ptr, out_ptr, R, H, num_programs, counters_ptr, interval_ns, trace_ptr, slot_row_ptr,
+    T, MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, LOAD_CM: tl.constexpr,
+    STORE_CM: tl.constexpr, K: tl.constexpr, SCATTER_T: tl.constexpr,
 ):  # fmt: skip
     """``out[r] = src[index[r]]`` in blocks of ``BLOCK_R`` rows. ``MODE`` 0: program p copies blocks p,
     p + P, ... (side_gather's kernel); 1: blocks from a device counter (the last program out resets it);
-    2: as 0, its j-th block not before ``j * interval_ns`` after its start. Records (sm, start, end)."""
+    2: as 0, its j-th block not before ``j * interval_ns`` after its start; 3: a scatter, each token's row
+    read once and stored at its K slots' rows (``slot_row``, -1 for a dropped slot, which no wgrad reads).
+    Records (sm, start, end)."""
     pid = tl.program_id(0)
     sm, start = _sm_and_time(pid)
     blocks = tl.cdiv(R, BLOCK_R)
     if MODE == 1:
         block = tl.atomic_add(counters_ptr, 1)
         while block < blocks:
-            _copy_block(src_ptr, index_ptr, out_ptr, block, R, H, BLOCK_R, BLOCK_H)
+            _copy_block(src_ptr, index_ptr, out_ptr, block, R, H, BLOCK_R, BLOCK_H, LOAD_CM, STORE_CM)
             block = tl.atomic_add(counters_ptr, 1)
         if tl.atomic_add(counters_ptr + 1, 1) == num_programs - 1:
             tl.store(counters_ptr + tl.arange(0, 2), tl.zeros((2,), tl.int32))
+    elif MODE == 3:
+        for t0 in range(pid * SCATTER_T, T, num_programs * SCATTER_T):
+            tokens = t0 + tl.arange(0, SCATTER_T)
+            ok = tokens < T
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                v = tl.load(src_ptr + tokens.to(tl.int64)[:, None] * H + cols[None, :], mask=ok[:, None])
+                for k in tl.static_range(K):
+                    row = tl.load(slot_row_ptr + tokens * K + k, mask=ok, other=-1).to(tl.int64)
+                    tl.store(out_ptr + row[:, None] * H + cols[None, :], v, mask=(row >= 0)[:, None])
     else:
         due = start
         for block in range(pid, blocks, num_programs):
@@ -77,7 +112,7 @@ def _traced_gather_kernel(
                 while now < due:
                     _, now = _sm_and_time(pid)
                 due += interval_ns
-            _copy_block(src_ptr, index_ptr, out_ptr, block, R, H, BLOCK_R, BLOCK_H)
+            _copy_block(src_ptr, index_ptr, out_ptr, block, R, H, BLOCK_R, BLOCK_H, LOAD_CM, STORE_CM)
     _, end = _sm_and_time(pid)
     tl.store(trace_ptr + pid * 3, sm.to(tl.int64))
     tl.store(trace_ptr + pid * 3 + 1, start)
@@ -124,7 +159,8 @@ def _profile(op: str, variant: str | None, t: dict, samples: int, alone_ms: floa
     gemm = _gemm(op, t, sms)
     src = t["x"] if op == "dgrad1" else t["dy"]
     index, out = t["plan"].row_token_R, t["gathered"]
-    mode, span = VARIANTS[variant] if variant else (0, 0.0)
+    out.zero_()  # so that a variant's rows are checked, not an earlier one's
+    mode, span, load_cm, store_cm = VARIANTS[variant] if variant else (0, 0.0, "default", "")
     per_program = triton.cdiv(triton.cdiv(index.numel(), BLOCK_R), sms)
     interval_ns = int(span * alone_ms * 1e6 / per_program)
     counters = torch.zeros(2, dtype=torch.int32, device=device)
@@ -143,7 +179,8 @@ def _profile(op: str, variant: str | None, t: dict, samples: int, alone_ms: floa
             with torch.cuda.stream(side):
                 _traced_gather_kernel[(sms,)](
                     src, index, out, index.numel(), src.shape[1], sms, counters, interval_ns, trace[max(i, 0)],
-                    MODE=mode, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS,
+                    t["plan"].slot_row_S, src.shape[0], MODE=mode, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H,
+                    LOAD_CM=load_cm, STORE_CM=store_cm, K=t["plan"].topk, SCATTER_T=SCATTER_T, num_warps=NUM_WARPS,
                 )  # fmt: skip
             main.wait_stream(side)
         finish.record()
@@ -153,6 +190,8 @@ def _profile(op: str, variant: str | None, t: dict, samples: int, alone_ms: floa
     ms = [b.elapsed_time(f) for b, f in times]
     result = {"op": op, "gather": variant or "none", "ms": ms}
     if variant is not None:
+        valid = int(t["plan"].expert_start_G1[-1])
+        result["rows_ok"] = bool(torch.equal(out[:valid], src[index[:valid].long()]))
         placements = trace.cpu()
         doubled = []
         for s in range(samples):
@@ -173,8 +212,9 @@ def _summary(r: dict) -> str:
         without = [m for m, d in zip(r["ms"], r["doubled"], strict=True) if not d]
         mean = lambda v: f"{statistics.mean(v):.3f}" if v else "-"  # noqa: E731
         line += f" {len(with_d)} | {mean(with_d)} | {mean(without)} | {statistics.median(r['gather_span_ms']):.3f} |"
+        line += f" {r['rows_ok']} |"
     else:
-        line += " - | - | - | - |"
+        line += " - | - | - | - | - |"
     return line
 
 
@@ -186,7 +226,7 @@ def main() -> None:
     t = _inputs(torch.device("cuda"))
     print(
         "| op | gather | min ms | p10 | median | p90 | max | samples with a doubled SM | their mean ms | "
-        "the others' | gather span ms (median) |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "the others' | gather span ms (median) | rows right |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     results = []
     for op in ("dgrad1", "dgrad2"):
@@ -201,6 +241,8 @@ def main() -> None:
                     for key in ("ms", "doubled", "gather_span_ms"):
                         if key in part:
                             legs[variant][key] += part[key]
+                    if "rows_ok" in part:
+                        legs[variant]["rows_ok"] &= part["rows_ok"]
         for leg in legs.values():
             results.append(leg)
             print(_summary(leg), flush=True)
