@@ -25,7 +25,8 @@ it; ``slowdown`` is the leg's ms over its own ms alone):
   broadcast mode, beside them at EP > 1;
 * ``inbound`` the bytes a peer's stores and copies bring into this GPU's memory during the op at EP = 2
   (:data:`INBOUND_AT_EP2`), written at an even pace over 90 % of the default candidate's time alone
-  (``benchmarks/paced_writes.py``): what the traffic landing here costs the GEMM, without NVLink.
+  (``benchmarks/paced_writes.py``; ``--inbound-scale`` times as many): what the traffic landing here
+  costs the GEMM, without NVLink.
 
 ``--once`` launches every leg once with nothing beside it and times nothing, for a profiler
 (``ncu -k regex:_grouped_gemm_kernel ...``; the legs are printed in launch order). Needs a CUDA GPU,
@@ -181,7 +182,7 @@ def _with_paced_writes(fn: Callable[[], object], writes: PacedWrites) -> Callabl
     return run
 
 
-def _beside_legs(alone: dict, beside: list[str], traffic: dict) -> dict:
+def _beside_legs(alone: dict, beside: list[str], traffic: dict, inbound_scale: float = 1.0) -> dict:
     """Every leg of ``alone`` again, keyed ``(leg, kind)``, with each kind of traffic of ``beside`` next to it."""
     if not traffic:
         return {}
@@ -194,7 +195,8 @@ def _beside_legs(alone: dict, beside: list[str], traffic: dict) -> dict:
         from triton.testing import do_bench
 
         alone_ms = do_bench(alone[("default", "none")], warmup=5, rep=50, return_mode="median")
-        writes = PacedWrites(traffic["inbound_bytes"], PACE_FRACTION * alone_ms / 1e3, traffic["src"].device)
+        nbytes = int(inbound_scale * traffic["inbound_bytes"])
+        writes = PacedWrites(nbytes, PACE_FRACTION * alone_ms / 1e3, traffic["src"].device)
         legs |= {(key, "inbound"): _with_paced_writes(fn, writes) for key, fn in alone.items()}
         legs[("paced writes", "alone")] = writes.launch  # their pace, with nothing beside them
     return legs
@@ -215,14 +217,16 @@ def _launch_once(op: str, model: str, device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _sweep(op: str, model: str, device: torch.device, beside: list[str]) -> list[dict]:
+def _sweep(op: str, model: str, device: torch.device, beside: list[str], inbound_scale: float) -> list[dict]:
     base, legs, flops, traffic = _legs(op, model, device)
     alone = {k: fn for k, fn in base.items() if fn is not None} | {k: fn for k, (fn, _) in legs.items()}
     for fn, _ in legs.values():
         fn()
     torch.cuda.synchronize()
     cases = [(key, "none", fn) for key, fn in alone.items()]
-    cases += [(key, kind, fn) for (key, kind), fn in _beside_legs(alone, beside, traffic).items()]
+    cases += [
+        (key, kind, fn) for (key, kind), fn in _beside_legs(alone, beside, traffic, inbound_scale).items()
+    ]
     samples = _time_interleaved([(fn, []) for _, _, fn in cases])
     times = {(key, kind): ms for (key, kind, _), ms in zip(cases, samples, strict=True)}
     rows = []
@@ -254,6 +258,12 @@ def main() -> None:
     parser.add_argument(
         "--beside", default="none", help=f"traffic beside the M-grouped legs, any of {', '.join(BESIDE)}"
     )
+    parser.add_argument(
+        "--inbound-scale",
+        type=float,
+        default=1.0,
+        help="times the EP = 2 inbound bytes written beside (inbound)",
+    )
     parser.add_argument("--once", action="store_true", help="launch every leg once, time nothing (profilers)")
     args = parser.parse_args()
     ops, beside = args.ops.split(","), args.beside.split(",")
@@ -276,13 +286,14 @@ def main() -> None:
     rows: list[dict] = []
     for op in ops:
         for model in args.models.split(","):
-            rows += _sweep(op, model, device, beside)
+            rows += _sweep(op, model, device, beside, args.inbound_scale)
             torch.cuda.empty_cache()
     meta = {
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "beside": beside,
+        "inbound_scale": args.inbound_scale,
     }
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
