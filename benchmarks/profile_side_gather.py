@@ -1,6 +1,6 @@
 """Where the side gather's cost beside a dgrad GEMM comes from, sample by sample, on one GPU.
 
-    PYTHONPATH=$PWD python3 benchmarks/profile_side_gather.py [--samples 100] [--json out.json]
+    PYTHONPATH=$PWD python3 benchmarks/profile_side_gather.py [--samples 100] [--json out.json] [--layer]
 
 At DeepSeek-V3's per-rank shape it times the dgrad GEMMs (``dgrad1``: ``dh @ W1``; ``dgrad2``: the
 dy-gathering ``dy[rows] @ W2``) each ``--samples`` times alone and with the backward's row gather
@@ -11,6 +11,10 @@ GEMM's time). Every gather program records its multiprocessor (``%smid``) and it
 slow sample can be matched to how the gather's programs were placed: ``doubled`` counts the
 multiprocessors that got two or more gather programs, where the GEMM's own program (256 threads at up
 to 224 registers) then no longer fits until one of them ends.
+
+``side_gather`` takes its row blocks from a counter since this script's first runs (the ``counter``
+variant); ``--layer`` then also times the whole one-GPU layer forward + backward (``fused_mega_moe``,
+DeepSeek-V3, uniform) with that gather and with the fixed-stride one swapped in, in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
+from megamoe.backends.triton import side_gather
 from megamoe.backends.triton.configs import gemm_config, num_programs
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
 from megamoe.backends.triton.routing import build_routing_plan
 from megamoe.backends.triton.side_gather import BLOCK_H, BLOCK_R, NUM_WARPS, copy_rows_streaming
-from megamoe.bench import MODELS, make_routing
+from megamoe.bench import MODELS, _time_interleaved, make_routing
 
 VARIANTS = {
     "fixed-stride": (0, 0.0, "default", ""),
@@ -221,12 +226,55 @@ def _summary(r: dict) -> str:
     return line
 
 
+def _fixed_stride_gather_rows(src_TH: torch.Tensor, index_R: torch.Tensor, out_RH: torch.Tensor) -> None:
+    """``side_gather.gather_rows`` as it was before the counter: program p copies blocks p, p + P, ..."""
+    R, H = out_RH.shape
+    if R == 0 or H == 0:
+        return
+    grid = min(num_programs(src_TH.device), triton.cdiv(R, BLOCK_R))
+    trace = torch.empty(grid, 3, dtype=torch.int64, device=src_TH.device)
+    _traced_gather_kernel[(grid,)](
+        src_TH, index_R, out_RH, R, H, grid, None, 0, trace, None, 0, MODE=0, BLOCK_R=BLOCK_R,
+        BLOCK_H=BLOCK_H, LOAD_CM="default", STORE_CM="", K=1, SCATTER_T=SCATTER_T, num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+def _layer_ab(device: torch.device) -> list[float]:
+    """Median ms of the layer forward + backward: the counter gather (today's), then the fixed-stride one."""
+    from megamoe import fused_mega_moe
+
+    shape = MODELS["DeepSeek-V3"]
+    T, H, I, G = shape.tokens, shape.hidden, shape.inter, shape.experts
+    torch.manual_seed(0)
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16).requires_grad_()
+    w1 = (torch.randn(G, 2 * I, H, device=device, dtype=torch.bfloat16) / H**0.5).requires_grad_()
+    w2 = (torch.randn(G, H, I, device=device, dtype=torch.bfloat16) / I**0.5).requires_grad_()
+    idx, tw = make_routing(shape, "uniform", device=device)
+    tw = tw.requires_grad_()
+    dy = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    counter = side_gather.gather_rows
+
+    def step(gather) -> None:
+        side_gather.gather_rows = gather
+        try:
+            fused_mega_moe(x, idx, tw, w1, w2, backend="triton").backward(dy)
+        finally:
+            side_gather.gather_rows = counter
+
+    grads = [x, tw, w1, w2]
+    return _time_interleaved(
+        [(lambda: step(counter), grads), (lambda: step(_fixed_stride_gather_rows), grads)]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--json", help="write every sample there")
+    parser.add_argument("--layer", action="store_true", help="also the layer A/B of the two gathers")
     args = parser.parse_args()
-    t = _inputs(torch.device("cuda"))
+    device = torch.device("cuda")
+    t = _inputs(device)
     print(
         "| op | gather | min ms | p10 | median | p90 | max | samples with a doubled SM | their mean ms | "
         "the others' | gather span ms (median) | rows right |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
@@ -249,9 +297,18 @@ def main() -> None:
         for leg in legs.values():
             results.append(leg)
             print(_summary(leg), flush=True)
+    layer = None
+    if args.layer:
+        del t
+        torch.cuda.empty_cache()
+        layer = dict(zip(("counter", "fixed-stride"), _layer_ab(device), strict=True))
+        print(
+            f"layer fwd+bwd (DeepSeek-V3, uniform): counter gather {layer['counter']:.3f} ms, "
+            f"fixed-stride gather {layer['fixed-stride']:.3f} ms"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f)
+            json.dump({"device": torch.cuda.get_device_name(), "results": results, "layer": layer}, f)
 
 
 if __name__ == "__main__":

@@ -60,28 +60,38 @@ def _gather_rows_kernel(
     src_ptr,
     index_ptr,
     out_ptr,
+    next_block_ptr,
     R,
     H,
-    num_programs,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """``out[r] = src[index[r]]`` for every ``r < R``, rows in blocks of ``BLOCK_R`` over a persistent grid."""
-    for block in range(tl.program_id(0), tl.cdiv(R, BLOCK_R), num_programs):
+    """``out[r] = src[index[r]]`` for every ``r < R``, in blocks of ``BLOCK_R`` rows that each program of a
+    persistent grid takes from the device counter ``next_block`` (zero at launch) until none is left."""
+    block = tl.atomic_add(next_block_ptr, 1)
+    while block < tl.cdiv(R, BLOCK_R):
         rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < R
         src_row = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
         copy_rows_streaming(src_ptr + src_row * H, out_ptr + rows.to(tl.int64) * H, row_ok, H, BLOCK_H)
+        block = tl.atomic_add(next_block_ptr, 1)
 
 
 def gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor) -> None:
-    """``out_RH = src_TH[index_R]`` (contiguous rows, ``index_R`` int32 in ``[0, T)``), one program per SM."""
+    """``out_RH = src_TH[index_R]`` (contiguous rows, ``index_R`` int32 in ``[0, T)``), one program per SM.
+
+    The programs take row blocks from a counter rather than a fixed share each: beside a persistent GEMM
+    some programs run slower than others, and a fixed share left the GEMM's op waiting for the slowest
+    (an H200 at DeepSeek-V3, ``benchmarks/profile_side_gather.py``: dgrad1 + gather 6.25-6.37 ms on
+    average and up to 8.3 ms, against 6.10-6.17 and at most 7.0 with the counter; dgrad1 alone 6.0).
+    """
     R, H = out_RH.shape
     if R == 0 or H == 0:
         return
     grid = min(num_programs(src_TH.device), triton.cdiv(R, BLOCK_R))
+    next_block = torch.zeros(1, dtype=torch.int32, device=src_TH.device)  # on the launching stream
     _gather_rows_kernel[(grid,)](
-        src_TH, index_R, out_RH, R, H, grid, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS
+        src_TH, index_R, out_RH, next_block, R, H, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS
     )
 
 

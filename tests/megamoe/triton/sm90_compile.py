@@ -229,7 +229,7 @@ def _small_kernels() -> dict:
         BLOCK_N=min(triton.next_power_of_2(2 * I), 256),
     )  # fmt: skip
     gather = dict(
-        src_ptr="*bf16", index_ptr="*i32", out_ptr="*bf16", R=R, H=H, num_programs=NUM_SMS,
+        src_ptr="*bf16", index_ptr="*i32", out_ptr="*bf16", next_block_ptr="*i32", R=R, H=H,
         BLOCK_R=GATHER_BLOCK_R, BLOCK_H=GATHER_BLOCK_H,
     )  # fmt: skip
     launches = {
