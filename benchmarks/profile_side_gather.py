@@ -44,11 +44,22 @@ VARIANTS = {
     "ld.cv st.cs": (0, 0.0, ".cv", ".cs"),
     "scatter": (3, 0.0, "", ""),
     "empty": (4, 0.0, "", ""),
+    "loads only": (5, 0.0, "", ""),
+    "stores only": (6, 0.0, "", ""),
+    "spin-80": (7, 0.8, "", ""),
 }
 """gather variant: the kernel's MODE, the fraction of the GEMM's median time alone a paced gather spans,
 the loads' and stores' cache modifiers ("default": side_gather's streaming copy, evict-first hints)"""
 ROUNDS = 5
 SCATTER_T = 4  # tokens per step of the scatter: 8 would need 72 registers, over what fits beside a GEMM
+
+
+@triton.jit
+def _clock(x):
+    """The multiprocessor's cycle counter: its ticks over the global timer's nanoseconds are its clock."""
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %clock64;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1
+    )
 
 
 @triton.jit
@@ -89,9 +100,11 @@ def _traced_gather_kernel(
     p + P, ... (side_gather's kernel); 1: blocks from a device counter (the last program out resets it);
     2: as 0, its j-th block not before ``j * interval_ns`` after its start; 3: a scatter, each token's row
     read once and stored at its K slots' rows (``slot_row``, -1 for a dropped slot, which no wgrad reads);
-    4: nothing (what the side stream's fork and join cost). Records (sm, start, end)."""
+    4: nothing (what the side stream's fork and join cost); 5 and 6: MODE 0's loads alone and its stores
+    alone; 7: a spin of ``interval_ns``. Records (sm, start, end, cycles between them)."""
     pid = tl.program_id(0)
     sm, start = _sm_and_time(pid)
+    start_clock = _clock(pid)
     blocks = tl.cdiv(R, BLOCK_R)
     if MODE == 1:
         block = tl.atomic_add(counters_ptr, 1)
@@ -102,6 +115,27 @@ def _traced_gather_kernel(
             tl.store(counters_ptr + tl.arange(0, 2), tl.zeros((2,), tl.int32))
     elif MODE == 4:
         pass
+    elif MODE == 7:  # no memory work: spin for interval_ns, to read the clock beside the GEMM
+        _, now = _sm_and_time(pid)
+        while now < start + interval_ns:
+            _, now = _sm_and_time(pid)
+    elif MODE >= 5:  # 5: the gather's loads alone (summed into one store a program); 6: its stores alone
+        acc = tl.zeros((BLOCK_R, BLOCK_H), src_ptr.dtype.element_ty)  # kept in bf16: 32 registers
+        for block in range(pid, blocks, num_programs):
+            rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+            row_ok = rows < R
+            src_row = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                mask = row_ok[:, None] & (cols < H)[None, :]
+                if MODE == 5:
+                    v = tl.load(src_ptr + src_row[:, None] * H + cols[None, :], mask=mask)
+                    acc = tl.maximum(acc, v).to(src_ptr.dtype.element_ty)
+                else:
+                    out = out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :]
+                    tl.store(out, tl.zeros((BLOCK_R, BLOCK_H), out_ptr.dtype.element_ty), mask=mask)
+        if MODE == 5:
+            tl.store(out_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
     elif MODE == 3:
         for t0 in range(pid * SCATTER_T, T, num_programs * SCATTER_T):
             tokens = t0 + tl.arange(0, SCATTER_T)
@@ -122,9 +156,11 @@ def _traced_gather_kernel(
                 due += interval_ns
             _copy_block(src_ptr, index_ptr, out_ptr, block, R, H, BLOCK_R, BLOCK_H, LOAD_CM, STORE_CM)
     _, end = _sm_and_time(pid)
-    tl.store(trace_ptr + pid * 3, sm.to(tl.int64))
-    tl.store(trace_ptr + pid * 3 + 1, start)
-    tl.store(trace_ptr + pid * 3 + 2, end)
+    end_clock = _clock(pid)
+    tl.store(trace_ptr + pid * 4, sm.to(tl.int64))
+    tl.store(trace_ptr + pid * 4 + 1, start)
+    tl.store(trace_ptr + pid * 4 + 2, end)
+    tl.store(trace_ptr + pid * 4 + 3, end_clock - start_clock)
 
 
 def _inputs(device: torch.device) -> dict:
@@ -169,10 +205,10 @@ def _profile(op: str, variant: str | None, t: dict, samples: int, alone_ms: floa
     index, out = t["plan"].row_token_R, t["gathered"]
     out.zero_()  # so that a variant's rows are checked, not an earlier one's
     mode, span, load_cm, store_cm = VARIANTS[variant] if variant else (0, 0.0, "default", "")
-    per_program = triton.cdiv(triton.cdiv(index.numel(), BLOCK_R), sms)
+    per_program = 1 if mode == 7 else triton.cdiv(triton.cdiv(index.numel(), BLOCK_R), sms)
     interval_ns = int(span * alone_ms * 1e6 / per_program)
     counters = torch.zeros(2, dtype=torch.int32, device=device)
-    trace = torch.zeros(samples, sms, 3, dtype=torch.int64, device=device)
+    trace = torch.zeros(samples, sms, 4, dtype=torch.int64, device=device)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
     side = torch.cuda.Stream()
     main = torch.cuda.current_stream()
@@ -199,7 +235,7 @@ def _profile(op: str, variant: str | None, t: dict, samples: int, alone_ms: floa
     result = {"op": op, "gather": variant or "none", "ms": ms}
     if variant is not None:
         valid = int(t["plan"].expert_start_G1[-1])
-        result["rows_ok"] = mode == 4 or bool(torch.equal(out[:valid], src[index[:valid].long()]))
+        result["rows_ok"] = mode in (4, 5, 6, 7) or bool(torch.equal(out[:valid], src[index[:valid].long()]))
         placements = trace.cpu()
         doubled = []
         for s in range(samples):
@@ -207,6 +243,10 @@ def _profile(op: str, variant: str | None, t: dict, samples: int, alone_ms: floa
             doubled.append(sum(1 for sm in set(sm_ids) if sm_ids.count(sm) > 1))
         result["doubled"] = doubled
         span_ms = (placements[:, :, 2].max(dim=1).values - placements[:, :, 1].min(dim=1).values) / 1e6
+        ns = (placements[:, :, 2] - placements[:, :, 1]).clamp(min=1)
+        busy = ns > 20_000  # programs that ran at least 20 us: their clock is a reading
+        clocks = placements[:, :, 3][busy].double() / ns[busy].double() * 1e3
+        result["sm_mhz"] = [clocks.median().item()] if busy.any() else []
         result["gather_span_ms"] = span_ms.tolist()
     return result
 
@@ -220,9 +260,10 @@ def _summary(r: dict) -> str:
         without = [m for m, d in zip(r["ms"], r["doubled"], strict=True) if not d]
         mean = lambda v: f"{statistics.mean(v):.3f}" if v else "-"  # noqa: E731
         line += f" {len(with_d)} | {mean(with_d)} | {mean(without)} | {statistics.median(r['gather_span_ms']):.3f} |"
-        line += f" {r['rows_ok']} |"
+        mhz = f"{statistics.median(r['sm_mhz']):.0f}" if r.get("sm_mhz") else "-"
+        line += f" {r['rows_ok']} | {mhz} |"
     else:
-        line += " - | - | - | - | - |"
+        line += " - | - | - | - | - | - |"
     return line
 
 
@@ -232,7 +273,7 @@ def _fixed_stride_gather_rows(src_TH: torch.Tensor, index_R: torch.Tensor, out_R
     if R == 0 or H == 0:
         return
     grid = min(num_programs(src_TH.device), triton.cdiv(R, BLOCK_R))
-    trace = torch.empty(grid, 3, dtype=torch.int64, device=src_TH.device)
+    trace = torch.empty(grid, 4, dtype=torch.int64, device=src_TH.device)
     _traced_gather_kernel[(grid,)](
         src_TH, index_R, out_RH, R, H, grid, None, 0, trace, None, 0, MODE=0, BLOCK_R=BLOCK_R,
         BLOCK_H=BLOCK_H, LOAD_CM="default", STORE_CM="", K=1, SCATTER_T=SCATTER_T, num_warps=NUM_WARPS,
@@ -277,7 +318,8 @@ def main() -> None:
     t = _inputs(device)
     print(
         "| op | gather | min ms | p10 | median | p90 | max | samples with a doubled SM | their mean ms | "
-        "the others' | gather span ms (median) | rows right |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "the others' | gather span ms (median) | rows right | SM MHz (median) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     results = []
     for op in ("dgrad1", "dgrad2"):
@@ -289,7 +331,7 @@ def main() -> None:
                 if variant not in legs:
                     legs[variant] = part
                 else:
-                    for key in ("ms", "doubled", "gather_span_ms"):
+                    for key in ("ms", "doubled", "gather_span_ms", "sm_mhz"):
                         if key in part:
                             legs[variant][key] += part[key]
                     if "rows_ok" in part:
