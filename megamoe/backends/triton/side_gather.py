@@ -82,8 +82,9 @@ def gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor) -> None:
 
     The programs take row blocks from a counter rather than a fixed share each: beside a persistent GEMM
     some programs run slower than others, and a fixed share left the GEMM's op waiting for the slowest
-    (an H200 at DeepSeek-V3, ``benchmarks/profile_side_gather.py``: dgrad1 + gather 6.25-6.37 ms on
-    average and up to 8.3 ms, against 6.10-6.17 and at most 7.0 with the counter; dgrad1 alone 6.0).
+    (an H200 at DeepSeek-V3, ``benchmarks/profile_side_gather.py``, six runs: dgrad1 + gather 0.25-0.45
+    ms over dgrad1 alone on average and up to 3.5 ms over, against 0.15-0.25 and at most 1.1 with the
+    counter). The counter is zeroed on the launching stream, so a CUDA graph replays it.
     """
     R, H = out_RH.shape
     if R == 0 or H == 0:
