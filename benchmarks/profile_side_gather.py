@@ -3,18 +3,19 @@
     PYTHONPATH=$PWD python3 benchmarks/profile_side_gather.py [--samples 100] [--json out.json] [--layer]
 
 At DeepSeek-V3's per-rank shape it times the dgrad GEMMs (``dgrad1``: ``dh @ W1``; ``dgrad2``: the
-dy-gathering ``dy[rows] @ W2``) each ``--samples`` times alone and with the backward's row gather
-beside them (one CUDA-event pair per sample, the L2 flushed before each), with each gather variant
-of :data:`VARIANTS`: how its row blocks are shared out (a fixed stride, as ``side_gather`` does, or a
-device counter) and how fast it goes (at once, or paced by the global timer to span a fraction of the
-GEMM's time). Every gather program records its multiprocessor (``%smid``) and its start and end, so a
-slow sample can be matched to how the gather's programs were placed: ``doubled`` counts the
-multiprocessors that got two or more gather programs, where the GEMM's own program (256 threads at up
-to 224 registers) then no longer fits until one of them ends.
+dy-gathering ``dy[rows] @ W2``) ``--samples`` times alone and with each variant of :data:`VARIANTS`
+beside them on a side stream (one CUDA-event pair per sample, the L2 flushed before each, the legs in
+interleaved rounds). The variants change one thing of the backward's row gather at a time: how its
+row blocks are shared out (a fixed share per program, as ``side_gather`` did until session 10, or a
+device counter, as it does now), its pace (at once, or spread by the global timer over a fraction of
+the GEMM's time), its cache hints, its bytes (a scatter that reads each token once), its loads or its
+stores alone, or no memory work at all (an empty kernel; a spin). Every program records its
+multiprocessor (``%smid``), start, end and clock cycles, so a slow sample can be matched to the
+placement (``doubled``: multiprocessors that got two or more of its programs, where the GEMM's program
+then no longer fits until one ends) and the SM clock read beside the GEMM.
 
-``side_gather`` takes its row blocks from a counter since this script's first runs (the ``counter``
-variant); ``--layer`` then also times the whole one-GPU layer forward + backward (``fused_mega_moe``,
-DeepSeek-V3, uniform) with that gather and with the fixed-stride one swapped in, in interleaved rounds.
+``--layer`` also times the whole one-GPU layer forward + backward (``fused_mega_moe``, DeepSeek-V3,
+uniform) with today's gather and with the fixed-share one swapped in, in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -34,22 +35,27 @@ from megamoe.backends.triton.routing import build_routing_plan
 from megamoe.backends.triton.side_gather import BLOCK_H, BLOCK_R, NUM_WARPS, copy_rows_streaming
 from megamoe.bench import MODELS, _time_interleaved, make_routing
 
+FIXED, COUNTER, PACED, SCATTER, EMPTY, LOADS, STORES, SPIN = range(8)
+"""the modes of :func:`_traced_gather_kernel`"""
+_COUNTER, _PACED, _SCATTER, _EMPTY = (tl.constexpr(m) for m in (COUNTER, PACED, SCATTER, EMPTY))
+_LOADS, _STORES, _SPIN = (tl.constexpr(m) for m in (LOADS, STORES, SPIN))  # FIXED: the kernel's else
 VARIANTS = {
-    "fixed-stride": (0, 0.0, "default", ""),
-    "counter": (1, 0.0, "default", ""),
-    "paced-80": (2, 0.8, "default", ""),
-    "ld.cg": (0, 0.0, ".cg", ""),
-    "ld.cg st.cs": (0, 0.0, ".cg", ".cs"),
-    "ld.cg st.cg": (0, 0.0, ".cg", ".cg"),
-    "ld.cv st.cs": (0, 0.0, ".cv", ".cs"),
-    "scatter": (3, 0.0, "", ""),
-    "empty": (4, 0.0, "", ""),
-    "loads only": (5, 0.0, "", ""),
-    "stores only": (6, 0.0, "", ""),
-    "spin-80": (7, 0.8, "", ""),
+    "fixed-stride": (FIXED, 0.0, "default", ""),
+    "counter": (COUNTER, 0.0, "default", ""),
+    "paced-80": (PACED, 0.8, "default", ""),
+    "ld.cg": (FIXED, 0.0, ".cg", ""),
+    "ld.cg st.cs": (FIXED, 0.0, ".cg", ".cs"),
+    "ld.cg st.cg": (FIXED, 0.0, ".cg", ".cg"),
+    "ld.cv st.cs": (FIXED, 0.0, ".cv", ".cs"),
+    "scatter": (SCATTER, 0.0, "", ""),
+    "empty": (EMPTY, 0.0, "", ""),
+    "loads only": (LOADS, 0.0, "", ""),
+    "stores only": (STORES, 0.0, "", ""),
+    "spin-80": (SPIN, 0.8, "", ""),
 }
-"""gather variant: the kernel's MODE, the fraction of the GEMM's median time alone a paced gather spans,
-the loads' and stores' cache modifiers ("default": side_gather's streaming copy, evict-first hints)"""
+"""gather variant: the kernel's MODE, the fraction of the GEMM's median time alone a paced gather (or a
+spin) spans, the loads' and stores' cache modifiers ("default": side_gather's streaming copy, evict-first
+hints)"""
 ROUNDS = 5
 SCATTER_T = 4  # tokens per step of the scatter: 8 would need 72 registers, over what fits beside a GEMM
 
@@ -96,31 +102,32 @@ def _traced_gather_kernel(
     T, MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, LOAD_CM: tl.constexpr,
     STORE_CM: tl.constexpr, K: tl.constexpr, SCATTER_T: tl.constexpr,
 ):  # fmt: skip
-    """``out[r] = src[index[r]]`` in blocks of ``BLOCK_R`` rows. ``MODE`` 0: program p copies blocks p,
-    p + P, ... (side_gather's kernel); 1: blocks from a device counter (the last program out resets it);
-    2: as 0, its j-th block not before ``j * interval_ns`` after its start; 3: a scatter, each token's row
-    read once and stored at its K slots' rows (``slot_row``, -1 for a dropped slot, which no wgrad reads);
-    4: nothing (what the side stream's fork and join cost); 5 and 6: MODE 0's loads alone and its stores
-    alone; 7: a spin of ``interval_ns``. Records (sm, start, end, cycles between them)."""
+    """``out[r] = src[index[r]]`` in blocks of ``BLOCK_R`` rows. ``MODE`` FIXED: program p copies blocks p,
+    p + P, ...; COUNTER: blocks from a device counter (the last program out resets it); PACED: as FIXED,
+    its j-th block not before ``j * interval_ns`` after its start; SCATTER: each token's row read once and
+    stored at its K slots' rows (``slot_row``, -1 for a dropped slot, which no wgrad reads); EMPTY:
+    nothing (what the side stream's fork and join cost); LOADS and STORES: FIXED's loads alone and its
+    stores alone; SPIN: no memory work for ``interval_ns``. Records (sm, start, end, cycles between)."""
     pid = tl.program_id(0)
     sm, start = _sm_and_time(pid)
     start_clock = _clock(pid)
     blocks = tl.cdiv(R, BLOCK_R)
-    if MODE == 1:
+    if MODE == _COUNTER:
         block = tl.atomic_add(counters_ptr, 1)
         while block < blocks:
             _copy_block(src_ptr, index_ptr, out_ptr, block, R, H, BLOCK_R, BLOCK_H, LOAD_CM, STORE_CM)
             block = tl.atomic_add(counters_ptr, 1)
         if tl.atomic_add(counters_ptr + 1, 1) == num_programs - 1:
             tl.store(counters_ptr + tl.arange(0, 2), tl.zeros((2,), tl.int32))
-    elif MODE == 4:
+    elif MODE == _EMPTY:
         pass
-    elif MODE == 7:  # no memory work: spin for interval_ns, to read the clock beside the GEMM
+    elif MODE == _SPIN:  # to read the clock beside the GEMM
         _, now = _sm_and_time(pid)
         while now < start + interval_ns:
             _, now = _sm_and_time(pid)
-    elif MODE >= 5:  # 5: the gather's loads alone (summed into one store a program); 6: its stores alone
-        acc = tl.zeros((BLOCK_R, BLOCK_H), src_ptr.dtype.element_ty)  # kept in bf16: 32 registers
+    elif (MODE == _LOADS) or (MODE == _STORES):  # noqa: SIM109 (no tuple membership in Triton)
+        # the loads kept alive by one maximum stored per program, in bf16 (32 registers)
+        acc = tl.zeros((BLOCK_R, BLOCK_H), src_ptr.dtype.element_ty)
         for block in range(pid, blocks, num_programs):
             rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
             row_ok = rows < R
@@ -128,15 +135,15 @@ def _traced_gather_kernel(
             for h0 in range(0, H, BLOCK_H):
                 cols = h0 + tl.arange(0, BLOCK_H)
                 mask = row_ok[:, None] & (cols < H)[None, :]
-                if MODE == 5:
+                if MODE == _LOADS:
                     v = tl.load(src_ptr + src_row[:, None] * H + cols[None, :], mask=mask)
                     acc = tl.maximum(acc, v).to(src_ptr.dtype.element_ty)
                 else:
                     out = out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :]
                     tl.store(out, tl.zeros((BLOCK_R, BLOCK_H), out_ptr.dtype.element_ty), mask=mask)
-        if MODE == 5:
+        if MODE == _LOADS:
             tl.store(out_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
-    elif MODE == 3:
+    elif MODE == _SCATTER:
         for t0 in range(pid * SCATTER_T, T, num_programs * SCATTER_T):
             tokens = t0 + tl.arange(0, SCATTER_T)
             ok = tokens < T
@@ -149,7 +156,7 @@ def _traced_gather_kernel(
     else:
         due = start
         for block in range(pid, blocks, num_programs):
-            if MODE == 2:
+            if MODE == _PACED:
                 _, now = _sm_and_time(pid)
                 while now < due:
                     _, now = _sm_and_time(pid)
@@ -205,7 +212,7 @@ def _profile(op: str, variant: str | None, t: dict, samples: int, alone_ms: floa
     index, out = t["plan"].row_token_R, t["gathered"]
     out.zero_()  # so that a variant's rows are checked, not an earlier one's
     mode, span, load_cm, store_cm = VARIANTS[variant] if variant else (0, 0.0, "default", "")
-    per_program = 1 if mode == 7 else triton.cdiv(triton.cdiv(index.numel(), BLOCK_R), sms)
+    per_program = 1 if mode == SPIN else triton.cdiv(triton.cdiv(index.numel(), BLOCK_R), sms)
     interval_ns = int(span * alone_ms * 1e6 / per_program)
     counters = torch.zeros(2, dtype=torch.int32, device=device)
     trace = torch.zeros(samples, sms, 4, dtype=torch.int64, device=device)
@@ -235,7 +242,9 @@ def _profile(op: str, variant: str | None, t: dict, samples: int, alone_ms: floa
     result = {"op": op, "gather": variant or "none", "ms": ms}
     if variant is not None:
         valid = int(t["plan"].expert_start_G1[-1])
-        result["rows_ok"] = mode in (4, 5, 6, 7) or bool(torch.equal(out[:valid], src[index[:valid].long()]))
+        result["rows_ok"] = mode in (EMPTY, LOADS, STORES, SPIN) or bool(
+            torch.equal(out[:valid], src[index[:valid].long()])
+        )
         placements = trace.cpu()
         doubled = []
         for s in range(samples):
@@ -275,7 +284,7 @@ def _fixed_stride_gather_rows(src_TH: torch.Tensor, index_R: torch.Tensor, out_R
     grid = min(num_programs(src_TH.device), triton.cdiv(R, BLOCK_R))
     trace = torch.empty(grid, 4, dtype=torch.int64, device=src_TH.device)
     _traced_gather_kernel[(grid,)](
-        src_TH, index_R, out_RH, R, H, grid, None, 0, trace, None, 0, MODE=0, BLOCK_R=BLOCK_R,
+        src_TH, index_R, out_RH, R, H, grid, None, 0, trace, None, 0, MODE=FIXED, BLOCK_R=BLOCK_R,
         BLOCK_H=BLOCK_H, LOAD_CM="default", STORE_CM="", K=1, SCATTER_T=SCATTER_T, num_warps=NUM_WARPS,
     )  # fmt: skip
 
