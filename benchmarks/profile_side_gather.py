@@ -7,15 +7,17 @@ dy-gathering ``dy[rows] @ W2``) ``--samples`` times alone and with each variant 
 beside them on a side stream (one CUDA-event pair per sample, the L2 flushed before each, the legs in
 interleaved rounds). The variants change one thing of the backward's row gather at a time: how its
 row blocks are shared out (a fixed share per program, as ``side_gather`` did until session 10, or a
-device counter, as it does now), its pace (at once, or spread by the global timer over a fraction of
+device counter, as its register copy does now), its pace (at once, or spread by the global timer over a fraction of
 the GEMM's time), its cache hints, its bytes (a scatter that reads each token once), its loads or its
-stores alone, or no memory work at all (an empty kernel; a spin). Every program records its
+stores alone, no memory work at all (an empty kernel; a spin), or no row through registers (``tma``:
+``side_gather``'s TMA kernel, which it uses on Hopper since session 10, timeline not recorded). Every program records its
 multiprocessor (``%smid``), start, end and clock cycles, so a slow sample can be matched to the
 placement (``doubled``: multiprocessors that got two or more of its programs, where the GEMM's program
 then no longer fits until one ends) and the SM clock read beside the GEMM.
 
 ``--layer`` also times the whole one-GPU layer forward + backward (``fused_mega_moe``, DeepSeek-V3,
-uniform) with today's gather and with the fixed-share one swapped in, in interleaved rounds.
+uniform) with each side gather of :data:`LAYER_GATHERS` swapped in (today's, on Hopper by the TMA unit;
+the register copy with a counter; the fixed share), in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -28,15 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe.backends.triton import side_gather
+from megamoe.backends.triton import side_gather, tma_rows
 from megamoe.backends.triton.configs import gemm_config, num_programs
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
 from megamoe.backends.triton.routing import build_routing_plan
 from megamoe.backends.triton.side_gather import BLOCK_H, BLOCK_R, NUM_WARPS, copy_rows_streaming
 from megamoe.bench import MODELS, _time_interleaved, make_routing
 
-FIXED, COUNTER, PACED, SCATTER, EMPTY, LOADS, STORES, SPIN = range(8)
-"""the modes of :func:`_traced_gather_kernel`"""
+FIXED, COUNTER, PACED, SCATTER, EMPTY, LOADS, STORES, SPIN, TMA = range(9)
+"""the modes of :func:`_traced_gather_kernel`; TMA: ``tma_rows``' kernel instead (no timeline)"""
 _COUNTER, _PACED, _SCATTER, _EMPTY = (tl.constexpr(m) for m in (COUNTER, PACED, SCATTER, EMPTY))
 _LOADS, _STORES, _SPIN = (tl.constexpr(m) for m in (LOADS, STORES, SPIN))  # FIXED: the kernel's else
 VARIANTS = {
@@ -52,6 +54,7 @@ VARIANTS = {
     "loads only": (LOADS, 0.0, "", ""),
     "stores only": (STORES, 0.0, "", ""),
     "spin-80": (SPIN, 0.8, "", ""),
+    "tma": (TMA, 0.0, "", ""),
 }
 """gather variant: the kernel's MODE, the fraction of the GEMM's median time alone a paced gather (or a
 spin) spans, the loads' and stores' cache modifiers ("default": side_gather's streaming copy, evict-first
@@ -226,7 +229,12 @@ def _profile(op: str, variant: str | None, t: dict, samples: int, alone_ms: floa
         side.wait_stream(main)  # the fork point, before the GEMM, as RowGather records it
         begin.record()
         gemm()
-        if variant is not None:
+        if variant is not None and mode == TMA:
+            with torch.cuda.stream(side):
+                counters.zero_()
+                tma_rows.tma_gather_rows(src, index, out, counters, sms)
+            main.wait_stream(side)
+        elif variant is not None:
             with torch.cuda.stream(side):
                 _traced_gather_kernel[(sms,)](
                     src, index, out, index.numel(), src.shape[1], sms, counters, interval_ns, trace[max(i, 0)],
@@ -245,6 +253,8 @@ def _profile(op: str, variant: str | None, t: dict, samples: int, alone_ms: floa
         result["rows_ok"] = mode in (EMPTY, LOADS, STORES, SPIN) or bool(
             torch.equal(out[:valid], src[index[:valid].long()])
         )
+        if mode == TMA:
+            return result
         placements = trace.cpu()
         doubled = []
         for s in range(samples):
@@ -263,17 +273,13 @@ def _profile(op: str, variant: str | None, t: dict, samples: int, alone_ms: floa
 def _summary(r: dict) -> str:
     ms = sorted(r["ms"])
     q = statistics.quantiles(ms, n=10)
-    line = f"| {r['op']} | {r['gather']} | {ms[0]:.3f} | {q[0]:.3f} | {statistics.median(ms):.3f} | {q[-1]:.3f} | {ms[-1]:.3f} |"
-    if "doubled" in r:
-        with_d = [m for m, d in zip(r["ms"], r["doubled"], strict=True) if d]
-        without = [m for m, d in zip(r["ms"], r["doubled"], strict=True) if not d]
-        mean = lambda v: f"{statistics.mean(v):.3f}" if v else "-"  # noqa: E731
-        line += f" {len(with_d)} | {mean(with_d)} | {mean(without)} | {statistics.median(r['gather_span_ms']):.3f} |"
-        mhz = f"{statistics.median(r['sm_mhz']):.0f}" if r.get("sm_mhz") else "-"
-        line += f" {r['rows_ok']} | {mhz} |"
-    else:
-        line += " - | - | - | - | - | - |"
-    return line
+    cells = [r["op"], r["gather"], *(f"{v:.3f}" for v in (ms[0], q[0], statistics.median(ms), q[-1], ms[-1]))]
+    cells.append(f"{statistics.mean(ms):.3f}")
+    cells.append(str(sum(1 for d in r["doubled"] if d)) if "doubled" in r else "-")
+    cells.append(f"{statistics.median(r['gather_span_ms']):.3f}" if "gather_span_ms" in r else "-")
+    cells.append(str(r["rows_ok"]) if "rows_ok" in r else "-")
+    cells.append(f"{statistics.median(r['sm_mhz']):.0f}" if r.get("sm_mhz") else "-")
+    return "| " + " | ".join(cells) + " |"
 
 
 def _fixed_stride_gather_rows(src_TH: torch.Tensor, index_R: torch.Tensor, out_RH: torch.Tensor) -> None:
@@ -289,8 +295,27 @@ def _fixed_stride_gather_rows(src_TH: torch.Tensor, index_R: torch.Tensor, out_R
     )  # fmt: skip
 
 
-def _layer_ab(device: torch.device) -> list[float]:
-    """Median ms of the layer forward + backward: the counter gather (today's), then the fixed-stride one."""
+def _sm_counter_gather_rows(src_TH: torch.Tensor, index_R: torch.Tensor, out_RH: torch.Tensor) -> None:
+    """``side_gather.gather_rows`` without its TMA path: the register copy, row blocks from a counter."""
+    R, H = out_RH.shape
+    if R == 0 or H == 0:
+        return
+    grid = min(num_programs(src_TH.device), triton.cdiv(R, BLOCK_R))
+    next_block = torch.zeros(1, dtype=torch.int32, device=src_TH.device)
+    side_gather._gather_rows_kernel[(grid,)](
+        src_TH, index_R, out_RH, next_block, R, H, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS
+    )
+
+
+LAYER_GATHERS = {
+    "gather_rows (TMA on Hopper)": side_gather.gather_rows,
+    "register copy, counter": _sm_counter_gather_rows,
+    "register copy, fixed share": _fixed_stride_gather_rows,
+}
+
+
+def _layer_ab(device: torch.device) -> dict[str, float]:
+    """Median ms of the layer forward + backward with each of :data:`LAYER_GATHERS` as the side gather."""
     from megamoe import fused_mega_moe
 
     shape = MODELS["DeepSeek-V3"]
@@ -302,40 +327,43 @@ def _layer_ab(device: torch.device) -> list[float]:
     idx, tw = make_routing(shape, "uniform", device=device)
     tw = tw.requires_grad_()
     dy = torch.randn(T, H, device=device, dtype=torch.bfloat16)
-    counter = side_gather.gather_rows
+    today = side_gather.gather_rows
 
     def step(gather) -> None:
         side_gather.gather_rows = gather
         try:
             fused_mega_moe(x, idx, tw, w1, w2, backend="triton").backward(dy)
         finally:
-            side_gather.gather_rows = counter
+            side_gather.gather_rows = today
 
     grads = [x, tw, w1, w2]
-    return _time_interleaved(
-        [(lambda: step(counter), grads), (lambda: step(_fixed_stride_gather_rows), grads)]
-    )
+    cases = [(lambda g=g: step(g), grads) for g in LAYER_GATHERS.values()]
+    return dict(zip(LAYER_GATHERS, _time_interleaved(cases), strict=True))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--json", help="write every sample there")
-    parser.add_argument("--layer", action="store_true", help="also the layer A/B of the two gathers")
+    parser.add_argument("--layer", action="store_true", help="also the layer with each of LAYER_GATHERS")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {', '.join(VARIANTS)}")
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown --variants {unknown}; known: {', '.join(VARIANTS)}")
     device = torch.device("cuda")
     t = _inputs(device)
     print(
-        "| op | gather | min ms | p10 | median | p90 | max | samples with a doubled SM | their mean ms | "
-        "the others' | gather span ms (median) | rows right | SM MHz (median) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| op | gather | min ms | p10 | median | p90 | max | mean | samples with a doubled SM | "
+        "gather span ms (median) | rows right | SM MHz (median) |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     results = []
     for op in ("dgrad1", "dgrad2"):
         pace_ms = statistics.median(_profile(op, None, t, 20)["ms"])  # the pace's reference, untimed
         legs: dict[str | None, dict] = {}
         for _ in range(ROUNDS):  # interleaved, so the card's clock drift falls on every leg alike
-            for variant in (None, *VARIANTS):
+            for variant in (None, *variants):
                 part = _profile(op, variant, t, args.samples // ROUNDS, pace_ms)
                 if variant not in legs:
                     legs[variant] = part
@@ -352,10 +380,9 @@ def main() -> None:
     if args.layer:
         del t
         torch.cuda.empty_cache()
-        layer = dict(zip(("counter", "fixed-stride"), _layer_ab(device), strict=True))
+        layer = _layer_ab(device)
         print(
-            f"layer fwd+bwd (DeepSeek-V3, uniform): counter gather {layer['counter']:.3f} ms, "
-            f"fixed-stride gather {layer['fixed-stride']:.3f} ms"
+            "layer fwd+bwd (DeepSeek-V3, uniform): " + ", ".join(f"{k} {v:.3f} ms" for k, v in layer.items())
         )
     if args.json:
         with open(args.json, "w") as f:

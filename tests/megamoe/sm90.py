@@ -43,15 +43,18 @@ def assert_compiles_for_sm90(
     return report
 
 
-def assert_fits_beside(gather: dict, gemms: list[dict]) -> None:
-    """A side gather's program (``megamoe.backends.triton.side_gather``) fits on an SM beside each
-    persistent 8-warp GEMM program: registers (allocated per thread in steps of 8) and shared memory."""
-    from megamoe.backends.triton.side_gather import GATHER_MAX_REGISTERS, GEMM_REGISTER_CAP, NUM_WARPS
+def assert_fits_beside(gather: dict, gemms: list[dict], warps: int | None = None) -> None:
+    """A side gather's program of ``warps`` warps (``megamoe.backends.triton.side_gather``'s by default) fits
+    on an SM beside each persistent 8-warp GEMM program: registers (allocated per thread in steps of 8)
+    and shared memory."""
+    from megamoe.backends.triton.side_gather import GEMM_REGISTER_CAP, NUM_WARPS
 
-    assert gather["registers"] <= GATHER_MAX_REGISTERS, f"the gather needs too many registers: {gather}"
+    warps = warps or NUM_WARPS
+    max_registers = (65536 - 256 * GEMM_REGISTER_CAP) // (32 * warps)
+    assert gather["registers"] <= max_registers, f"the gather needs too many registers: {gather}"
     for gemm in gemms:
         assert gemm["registers"] <= GEMM_REGISTER_CAP, f"a GEMM a gather runs beside is over the cap: {gemm}"
-        registers = 256 * -(-gemm["registers"] // 8) * 8 + 32 * NUM_WARPS * gather["registers"]
+        registers = 256 * -(-gemm["registers"] // 8) * 8 + 32 * warps * gather["registers"]
         assert registers <= 65536, (
             f"gather and GEMM need {registers} registers of an SM's 65536: {gather}, {gemm}"
         )

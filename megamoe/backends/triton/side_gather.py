@@ -5,10 +5,12 @@ operands cost the wgrad a third of its speed, docs/kernels.md). Each gather is m
 at DeepSeek-V3's per-rank shape on an H200), while the grouped GEMM before the wgrad is
 compute-bound and persistent: one 8-warp program per SM holding at most ``GEMM_REGISTER_CAP``
 registers a thread (56K of the SM's 64K) and ~180 KB of its shared memory, with warp slots and DRAM
-bandwidth to spare. The gather here is persistent too, and small enough to fit beside it: one 4-warp
-program per SM, no shared memory, at most ``GATHER_MAX_REGISTERS`` a thread (both checked by the
-sm_90a compile tests; a GEMM over the cap gets it as its ``maxnreg``). Launched on a side stream
-around the GEMM's launch, it runs in those gaps in whichever order the hardware starts the two.
+bandwidth to spare. The gather here is persistent too, and small enough to fit beside it: on Hopper
+one warp a program that only issues TMA copies (:mod:`.tma_rows`: ~34 registers, 16.5 KB of shared
+memory), elsewhere one 4-warp program per SM, no shared memory, at most ``GATHER_MAX_REGISTERS`` a
+thread (both checked by the sm_90a compile tests; a GEMM over the cap gets it as its ``maxnreg``).
+Launched on a side stream around the GEMM's launch, it runs in those gaps in whichever order the
+hardware starts the two.
 torch's ``index_select`` does not: its thousands of blocks, started first, fill every SM and the GEMM
 waits for all of them (measured on an H200).
 
@@ -34,6 +36,11 @@ import triton.language as tl
 from torch import Tensor
 
 from megamoe.backends.triton.configs import num_programs
+
+try:  # Gluon (triton.experimental.gluon) with Hopper's TMA ops; older Triton builds use the kernel below
+    from megamoe.backends.triton import tma_rows
+except ImportError:
+    tma_rows = None
 
 BLOCK_R = 8  # rows per step: 8 x 1024 bf16 is 128 bytes (eight 16-byte loads) in flight per thread
 BLOCK_H = 1024
@@ -78,19 +85,25 @@ def _gather_rows_kernel(
 
 
 def gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor) -> None:
-    """``out_RH = src_TH[index_R]`` (contiguous rows, ``index_R`` int32 in ``[0, T)``), one program per SM.
+    """``out_RH = src_TH[index_R]`` (contiguous rows, ``index_R`` int32 in ``[0, T)``), one program per SM:
+    by the TMA unit where :func:`.tma_rows.supported` (Hopper and later), else by the kernel above.
 
     The programs take row blocks from a counter rather than a fixed share each: beside a persistent GEMM
     some programs run slower than others, and a fixed share left the GEMM's op waiting for the slowest
     (an H200 at DeepSeek-V3, ``benchmarks/profile_side_gather.py``, six runs: dgrad1 + gather 0.25-0.45
     ms over dgrad1 alone on average and up to 3.5 ms over, against 0.15-0.25 and at most 1.1 with the
-    counter). The counter is zeroed on the launching stream, so a CUDA graph replays it.
+    counter; 0.06-0.12 with the TMA gather). The counter is zeroed on the launching stream, so a CUDA
+    graph replays it.
     """
     R, H = out_RH.shape
     if R == 0 or H == 0:
         return
-    grid = min(num_programs(src_TH.device), triton.cdiv(R, BLOCK_R))
     next_block = torch.zeros(1, dtype=torch.int32, device=src_TH.device)  # on the launching stream
+    if tma_rows is not None and tma_rows.supported(src_TH, out_RH):
+        grid = min(num_programs(src_TH.device), triton.cdiv(R, tma_rows.ROWS))
+        tma_rows.tma_gather_rows(src_TH, index_R, out_RH, next_block, grid)
+        return
+    grid = min(num_programs(src_TH.device), triton.cdiv(R, BLOCK_R))
     _gather_rows_kernel[(grid,)](
         src_TH, index_R, out_RH, next_block, R, H, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS
     )

@@ -29,7 +29,9 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
+from megamoe.backends.triton import tma_rows
 from megamoe.backends.triton.combine import _combine_kernel
 from megamoe.backends.triton.configs import gemm_config, wgrad_config
 from megamoe.backends.triton.grouped_gemm import _grouped_gemm_kernel
@@ -46,6 +48,7 @@ from megamoe.backends.triton.side_gather import BLOCK_R as GATHER_BLOCK_R
 from megamoe.backends.triton.side_gather import NUM_WARPS as GATHER_WARPS
 from megamoe.backends.triton.side_gather import _gather_rows_kernel
 from megamoe.backends.triton.swiglu import _swiglu_backward_kernel, _swiglu_forward_kernel
+from megamoe.backends.triton.tma_rows import _tma_gather_rows_kernel
 from megamoe.backends.triton.wgrad import _wgrad_kernel
 from megamoe.bench import MODELS
 
@@ -95,9 +98,10 @@ def compile_kernel(kernel, args: dict, *, num_warps: int = 4, num_stages: int = 
             signature[name] = arg[0]
             if arg[1]:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+    source = GluonASTSource if kernel.is_gluon() else ASTSource
     try:
         compiled = triton.compile(
-            ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+            source(kernel, signature, constexprs=constexprs, attrs=attrs),
             target=GPUTarget("cuda", 90, 32),
             options={"num_warps": num_warps, "num_stages": num_stages, **options},
         )
@@ -232,8 +236,19 @@ def _small_kernels() -> dict:
         src_ptr="*bf16", index_ptr="*i32", out_ptr="*bf16", next_block_ptr="*i32", R=R, H=H,
         BLOCK_R=GATHER_BLOCK_R, BLOCK_H=GATHER_BLOCK_H,
     )  # fmt: skip
+    nvmma = "NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)"
+    tma_gather = dict(
+        src_desc=f"tensordesc<bf16[1,{tma_rows.BOX}],{nvmma}>",
+        out_desc=f"tensordesc<bf16[{tma_rows.ROWS},{tma_rows.BOX}],{nvmma}>", index_ptr="*i32", R=R, H=H,
+        next_block_ptr="*i32", ROWS=tma_rows.ROWS, BOX=tma_rows.BOX, STAGES=tma_rows.STAGES, AHEAD=tma_rows.AHEAD,
+    )  # fmt: skip
     launches = {
         "row gather beside a GEMM": (_gather_rows_kernel, gather, {"num_warps": GATHER_WARPS}),
+        "TMA row gather beside a GEMM": (
+            _tma_gather_rows_kernel,
+            tma_gather,
+            {"num_warps": tma_rows.NUM_WARPS},
+        ),
         "swiglu forward": (_swiglu_forward_kernel, forward, {}),
         "swiglu backward": (_swiglu_backward_kernel, backward, {}),
         "zero padding rows": (_zero_padding_rows_kernel, padding, {}),

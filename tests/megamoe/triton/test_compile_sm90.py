@@ -10,6 +10,7 @@ runs in a fresh process because ``TRITON_INTERPRET=1`` (set for the other CPU te
 
 from __future__ import annotations
 
+from megamoe.backends.triton import tma_rows
 from tests.megamoe.sm90 import assert_compiles_for_sm90, assert_fits_beside
 
 # the row-gathering GEMMs must keep cp.async loads in flight across their MMAs (a gather waited for
@@ -22,3 +23,4 @@ def test_every_launch_compiles_for_sm90_without_spills() -> None:
     # the backward's side gathers must fit on an SM beside the persistent dgrad programs (side_gather.py)
     gemms = [report["dgrad2: row gather, B [K, N]"], report["dgrad1: A by TMA, B [K, N]"]]
     assert_fits_beside(report["row gather beside a GEMM"], gemms)
+    assert_fits_beside(report["TMA row gather beside a GEMM"], gemms, warps=tma_rows.NUM_WARPS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megamoe.backends.triton import tma_rows
 from megamoe.backends.triton.side_gather import RowGather
 
 
@@ -71,3 +72,20 @@ def test_side_stream_gather_captures_in_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, (src + 1)[index.long()] * 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "hidden"), [(1001, 72), (37, 7168), (4099, 2048), (513, 1100)])
+def test_bf16_rows_go_by_tma_on_hopper_and_equal_the_gather(rows: int, hidden: int) -> None:
+    """bf16 rows a multiple of 16 bytes go through the TMA kernel on Hopper (a ragged last row block, a
+    row narrower than one 256-column box, DeepSeek-V3's width); 1100 columns (2200 bytes) through the
+    register kernel. Either way the rows are ``src[index]``."""
+    src, index = _problem("cuda", rows, hidden)
+    src = src.to(torch.bfloat16)
+    gather = RowGather(src, index)
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert tma_rows.supported(src, torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda")) == (
+        hopper and hidden % 8 == 0
+    )
+    gather.start()
+    assert torch.equal(gather.rows(), src[index.long()])
