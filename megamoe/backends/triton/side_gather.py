@@ -92,7 +92,7 @@ def gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor) -> None:
     some programs run slower than others, and a fixed share left the GEMM's op waiting for the slowest
     (an H200 at DeepSeek-V3, ``benchmarks/profile_side_gather.py``, six runs: dgrad1 + gather 0.25-0.45
     ms over dgrad1 alone on average and up to 3.5 ms over, against 0.15-0.25 and at most 1.1 with the
-    counter; 0.06-0.12 with the TMA gather). The counter is zeroed on the launching stream, so a CUDA
+    counter; 0.07-0.20 with the TMA gather). The counter is zeroed on the launching stream, so a CUDA
     graph replays it.
     """
     R, H = out_RH.shape

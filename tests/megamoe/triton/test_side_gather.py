@@ -26,6 +26,12 @@ def test_rows_are_the_gather_on_cpu(rows: int, hidden: int) -> None:
     assert torch.equal(gather.rows(), src[index.long()])
 
 
+def test_the_tma_gather_is_for_cuda_rows_only() -> None:
+    """Off CUDA (and so in the interpreter) the register kernel above runs: TMA needs a Hopper GPU."""
+    src = torch.zeros(4, 64, dtype=torch.bfloat16)
+    assert not tma_rows.supported(src, torch.zeros(8, 64, dtype=torch.bfloat16))
+
+
 def test_rows_before_start_is_an_error() -> None:
     src, index = _problem("cpu")
     with pytest.raises(RuntimeError, match="before start"):
