@@ -25,7 +25,7 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _globaltimer_ns(x):
+def globaltimer_ns(x):
     """The GPU's global nanosecond timer; ``x`` is unused."""
     return tl.inline_asm_elementwise(
         "mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1
@@ -42,12 +42,12 @@ def _paced_writes_kernel(
     offs = tl.arange(0, CHUNK)
     value = tl.full((CHUNK,), 1, tl.int32)
     if PACED:
-        due = _globaltimer_ns(pid) + pid * interval_ns  # int64 from here on
+        due = globaltimer_ns(pid) + pid * interval_ns  # int64 from here on
     for c in range(pid, num_chunks, num_programs):
         if PACED:
-            now = _globaltimer_ns(pid)
+            now = globaltimer_ns(pid)
             while now < due:
-                now = _globaltimer_ns(pid)
+                now = globaltimer_ns(pid)
             due += num_programs * interval_ns
         tl.store(dst_ptr + c * CHUNK + offs, value)  # under 2**31 words: the buffer's size check
 

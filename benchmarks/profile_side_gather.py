@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.paced_writes import globaltimer_ns
 from megamoe.backends.triton import side_gather, tma_rows
 from megamoe.backends.triton.configs import gemm_config, num_programs
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
@@ -74,10 +75,7 @@ def _clock(x):
 @triton.jit
 def _sm_and_time(x):
     sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
-    ns = tl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1
-    )
-    return sm, ns
+    return sm, globaltimer_ns(x)
 
 
 @triton.jit
@@ -295,21 +293,9 @@ def _fixed_stride_gather_rows(src_TH: torch.Tensor, index_R: torch.Tensor, out_R
     )  # fmt: skip
 
 
-def _sm_counter_gather_rows(src_TH: torch.Tensor, index_R: torch.Tensor, out_RH: torch.Tensor) -> None:
-    """``side_gather.gather_rows`` without its TMA path: the register copy, row blocks from a counter."""
-    R, H = out_RH.shape
-    if R == 0 or H == 0:
-        return
-    grid = min(num_programs(src_TH.device), triton.cdiv(R, BLOCK_R))
-    next_block = torch.zeros(1, dtype=torch.int32, device=src_TH.device)
-    side_gather._gather_rows_kernel[(grid,)](
-        src_TH, index_R, out_RH, next_block, R, H, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS
-    )
-
-
 LAYER_GATHERS = {
     "gather_rows (TMA on Hopper)": side_gather.gather_rows,
-    "register copy, counter": _sm_counter_gather_rows,
+    "register copy, counter": side_gather.register_gather_rows,
     "register copy, fixed share": _fixed_stride_gather_rows,
 }
 

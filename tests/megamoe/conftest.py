@@ -9,20 +9,17 @@ summary says so.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
+
+from tests._interpret import interpret_without_cuda
 
 HAS_CUDA = torch.cuda.is_available()
 NUM_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
 HERE = Path(__file__).parent  # tests/megamoe: triton/ and symm/
 
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    from tests.megamoe.triton.interpreter_compat import install
-
-    install()
+interpret_without_cuda()
 
 _deselected: list[str] = []
 

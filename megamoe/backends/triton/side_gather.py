@@ -92,21 +92,32 @@ def gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor) -> None:
     some programs run slower than others, and a fixed share left the GEMM's op waiting for the slowest
     (an H200 at DeepSeek-V3, ``benchmarks/profile_side_gather.py``, six runs: dgrad1 + gather 0.25-0.45
     ms over dgrad1 alone on average and up to 3.5 ms over, against 0.15-0.25 and at most 1.1 with the
-    counter; 0.07-0.20 with the TMA gather). The counter is zeroed on the launching stream, so a CUDA
-    graph replays it.
+    counter; 0.07-0.20 with the TMA gather).
     """
     R, H = out_RH.shape
     if R == 0 or H == 0:
         return
-    next_block = torch.zeros(1, dtype=torch.int32, device=src_TH.device)  # on the launching stream
     if tma_rows is not None and tma_rows.supported(src_TH, out_RH):
         grid = min(num_programs(src_TH.device), triton.cdiv(R, tma_rows.ROWS))
-        tma_rows.tma_gather_rows(src_TH, index_R, out_RH, next_block, grid)
-        return
+        tma_rows.tma_gather_rows(src_TH, index_R, out_RH, _zeroed_counter(src_TH.device), grid)
+    else:
+        register_gather_rows(src_TH, index_R, out_RH)
+
+
+def register_gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor) -> None:
+    """:func:`gather_rows` by :func:`_gather_rows_kernel`, the copy through registers, on any device (rows
+    and columns not empty)."""
+    R, H = out_RH.shape
     grid = min(num_programs(src_TH.device), triton.cdiv(R, BLOCK_R))
     _gather_rows_kernel[(grid,)](
-        src_TH, index_R, out_RH, next_block, R, H, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS
-    )
+        src_TH, index_R, out_RH, _zeroed_counter(src_TH.device), R, H, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+def _zeroed_counter(device: torch.device) -> Tensor:
+    """The gathers' row-block counter, zeroed on the launching stream (a CUDA graph replays the zeroing)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 @functools.cache

@@ -30,6 +30,7 @@ STAGES = 4  # shared-memory stages of ROWS x BOX
 AHEAD = 2  # chunks the loads run ahead of the stores
 NUM_WARPS = 1
 MIN_TRITON = (3, 6)  # the Gluon API this is written against
+_TRITON_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= MIN_TRITON
 
 
 @gluon.jit
@@ -86,7 +87,7 @@ def supported(src_TH: Tensor, out_RH: Tensor) -> bool:
         return False
     if torch.cuda.get_device_capability(src_TH.device)[0] < 9:
         return False
-    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < MIN_TRITON:
+    if not _TRITON_OK:
         return False
     return src_TH.shape[1] % 8 == 0 and src_TH.data_ptr() % 16 == 0 and out_RH.data_ptr() % 16 == 0
 
