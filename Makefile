@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 # Without a GPU, Triton kernels run in its interpreter (the CPU tests of megamoe/backends/triton).
 export TRITON_INTERPRET ?= $(if $(HAS_GPU),0,1)
 
-.PHONY: demo test lint unit integration-infra bench image-cpu clean help
+.PHONY: demo demo-data test lint unit integration-infra bench image-cpu clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -25,8 +25,21 @@ $(VENV)/.stamp: pyproject.toml
 
 venv: $(VENV)/.stamp  ## create the virtual environment
 
-demo: $(VENV)/.stamp  ## the main job: train a tiny MoE with MegaMoE on 2 CPU ranks
-	GPUS_PER_NODE=$${GPUS_PER_NODE:-2} $(VENV)/bin/primus-cli direct -- train pretrain --config examples/megatron/configs/cpu/moe_tiny-pretrain.yaml
+# The demo's real text (the Python Language Reference, from CPython's pydoc_data) and its local
+# BPE tokenizer, tokenized once into a megatron indexed dataset; later demos reuse it.
+DEMO_DATA ?= output/data
+
+$(DEMO_DATA)/pydoc_text_document.idx: examples/data/make_demo_corpus.py | $(VENV)/.stamp
+	$(PY) examples/data/make_demo_corpus.py --output $(DEMO_DATA) --vocab-size 2048
+	$(VENV)/bin/primus-cli direct -- train prepare-data --input $(DEMO_DATA)/corpus.jsonl \
+	  --output-prefix $(DEMO_DATA)/pydoc --tokenizer-type HuggingFaceTokenizer \
+	  --tokenizer-model $(DEMO_DATA)/tokenizer --json-keys text --append-eod --workers 2
+
+demo-data: $(DEMO_DATA)/pydoc_text_document.idx  ## prepare the demo's corpus, tokenizer and dataset (once)
+
+demo: $(DEMO_DATA)/pydoc_text_document.idx  ## the main job: train a tiny MoE with MegaMoE on real text, 2 CPU ranks
+	PRIMUS_DATA_DIR=$(DEMO_DATA) GPUS_PER_NODE=$${GPUS_PER_NODE:-2} $(VENV)/bin/primus-cli direct -- \
+	  train pretrain --config examples/megatron/configs/cpu/moe_tiny-pretrain.yaml
 
 lint: $(VENV)/.stamp  ## ruff
 	$(PY) -m ruff check .

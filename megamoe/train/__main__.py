@@ -6,11 +6,13 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
 from megamoe.errors import MegaMoEError
 from megamoe.train import distributed
+from megamoe.train import tokenizer as tokenizers
 from megamoe.train.config import resolve_config
 from megamoe.train.logs import setup_logging
 from megamoe.train.validate import plan_run
@@ -81,7 +83,85 @@ def pretrain(config: Path, export_config: Path | None, dry_run: bool, overrides:
 
         run(cfg, environ)
     except MegaMoEError as e:
-        raise click.UsageError(str(e)) from e
+        _fail(e)
+
+
+def _split_list(values: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(item for value in values for item in value.split(",") if item)
+
+
+@cli.command("prepare-data", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--input",
+    "inputs",
+    multiple=True,
+    required=True,
+    help="JSON-lines (.jsonl/.json) or text (.txt, a document a line) files, optionally .gz; comma-separated or repeated.",
+)
+@click.option(
+    "--output-prefix",
+    required=True,
+    help="Output path prefix: writes PREFIX_<key>_document.bin/.idx per JSON key.",
+)
+@click.option(
+    "--json-keys",
+    multiple=True,
+    default=("text",),
+    show_default=True,
+    help="Keys of the JSON objects to tokenize; comma-separated or repeated.",
+)
+@click.option(
+    "--tokenizer-type",
+    required=True,
+    type=click.Choice(tokenizers.TOKENIZER_TYPES),
+    help="Megatron-LM's tokenizer type.",
+)
+@click.option(
+    "--tokenizer-model",
+    help="Local tokenizer: a HuggingFace tokenizer directory (tokenizer.json) or a SentencePiece .model file.",
+)
+@click.option("--vocab-size", type=click.IntRange(min=1), help="Token ids of the NullTokenizer.")
+@click.option("--append-eod", is_flag=True, help="Append the end-of-document token to every document.")
+@click.option(
+    "--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Tokenizer processes."
+)
+@click.option(
+    "--skip-bad-lines",
+    is_flag=True,
+    help="Skip (and count) lines that are not JSON or lack a key, instead of stopping.",
+)
+@click.option(
+    "--log-interval",
+    type=click.IntRange(min=1),
+    default=10_000,
+    show_default=True,
+    help="Lines between progress lines when stderr is not a terminal.",
+)
+def prepare_data(**options: object) -> None:
+    """Tokenize a corpus into megatron indexed datasets (the flags of Megatron-LM's preprocess_data.py).
+
+    \b
+    python -m megamoe.train prepare-data --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model tokenizer/ --json-keys text --append-eod --workers 2
+    """
+    from megamoe.train.prepare_data import PrepareSettings, prepare
+
+    settings = PrepareSettings(
+        inputs=tuple(Path(p) for p in _split_list(options.pop("inputs"))),
+        json_keys=_split_list(options.pop("json_keys")),
+        **options,
+    )
+    try:
+        summary = prepare(settings)
+    except MegaMoEError as e:
+        _fail(e)
+    click.echo(summary.text())
+
+
+def _fail(error: MegaMoEError) -> NoReturn:
+    """One line on stderr and exit status 2: the message names the setting, the problem and the remedy."""
+    click.echo(f"error: {error}", err=True)
+    sys.exit(2)
 
 
 def _has_cuda() -> bool:

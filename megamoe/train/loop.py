@@ -2,21 +2,21 @@
 
 One step = megatron-core's forward/backward schedule (no pipelining, 1F1B, or interleaved 1F1B when
 the layout has virtual stages) over ``num_microbatches`` micro-batches, then the (distributed)
-optimizer step, the LR schedule, metrics. Rank 0 shows a progress bar, logs every
-``log_interval`` steps, appends one JSON line per step to ``<output_dir>/training_log.jsonl`` and
-ends with a summary.
+optimizer step, the LR schedule, metrics. Every ``eval_interval`` steps, and once at the end, the
+validation split is evaluated (then saved checkpoints hold the RNG state after it, as in
+Megatron-LM); the test split once at the end. Rank 0 shows a progress bar on a terminal (a line
+every ``log_interval`` steps otherwise), feeds the metrics sinks (``sinks.py``) and ends with a
+summary.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,10 @@ from tqdm import tqdm
 
 import megamoe
 from megamoe.train import checkpoint, data, distributed, metrics, model
+from megamoe.train.evaluate import evaluate
+from megamoe.train.forward import forward_step
 from megamoe.train.schema import PretrainConfig
+from megamoe.train.sinks import EvalStats, Sinks
 from megamoe.train.validate import RunPlan, plan_run
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,9 @@ class Summary:
     peak_mem_gib: float
     checkpoint: str | None
     wall_s: float
+    valid: EvalStats | None = None
+    """The last validation (the end-of-training one when training finished)."""
+    test: EvalStats | None = None
 
     def text(self) -> str:
         def fmt(value: float | None, spec: str) -> str:
@@ -58,9 +64,16 @@ class Summary:
             f"lm loss {fmt(self.first_loss, '.4f')} -> {fmt(self.last_loss, '.4f')} | "
             f"step {fmt(self.mean_step_s and self.mean_step_s * 1000, '.1f')} ms | "
             f"{fmt(self.tokens_per_s, ',.0f')} tokens/s | {fmt(self.tflops_per_gpu, '.3g')} TFLOP/s/GPU | "
-            f"peak mem {self.peak_mem_gib:.2f} GiB | checkpoint {self.checkpoint or 'none'} | "
+            f"peak mem {self.peak_mem_gib:.2f} GiB | {self._evals()}checkpoint {self.checkpoint or 'none'} | "
             f"wall {self.wall_s:.1f} s"
         )
+
+    def _evals(self) -> str:
+        out = ""
+        for name, stats in (("validation", self.valid), ("test", self.test)):
+            if stats is not None:
+                out += f"{name} loss {stats.lm_loss:.4f} (ppl {stats.ppl:.2f}) | "
+        return out
 
 
 def before_optimizer_step(switch: model.MoESwitch) -> None:
@@ -110,23 +123,48 @@ class _Run:
     optimizer: Any
     scheduler: Any
     tokenizer: Any
+    vocab_size: int
+    """The embedding's rows before padding."""
 
 
 def _train(cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, started: float) -> Summary:
     run = _build(cfg, plan)
     start = _resume(cfg, plan, run)
-    history, saved = _steps(cfg, plan, info, run, start)
-    last = history[-1].iteration if history else start
+    datasets = data.build_datasets(cfg, plan, run.tokenizer)
+    sinks = Sinks.open(cfg, rank=info.rank, start_iteration=start, world_size=info.world_size)
+    try:
+        history, saved, valid = _steps(cfg, plan, info, run, start, datasets, sinks)
+        last = history[-1].iteration if history else start
+        test = None
+        if history and cfg.training.eval_iters:
+            if datasets.valid is not None and (valid is None or valid.iteration != last):
+                valid = _evaluate(cfg, plan, run, datasets.valid, "valid", last, sinks, info)
+            if datasets.test is not None:
+                test = _evaluate(cfg, plan, run, datasets.test, "test", last, sinks, info)
+    finally:
+        sinks.close()
     if (
         history
         and not cfg.checkpoint.disable_last_saving
         and saved != str(checkpoint.iteration_dir(plan.save_dir, last))
     ):
         saved = str(_save(cfg, plan, last, run))
-    summary = _summarize(cfg, start, last, history, saved, started)
+    summary = _summarize(cfg, start, last, history, saved, started, valid, test)
     if info.rank == 0:
         logger.info("summary: %s", summary.text())
     return summary
+
+
+def _evaluate(
+    cfg: PretrainConfig, plan: RunPlan, run: _Run, dataset: Any, split: str, iteration: int, sinks: Sinks,
+    info: distributed.RankInfo,
+) -> EvalStats:  # fmt: skip
+    stats = evaluate(cfg, plan, run.chunks, dataset, split=split, iteration=iteration)
+    before_optimizer_step(run.switch)  # a fused EP pool that overflowed left rows out of the loss too
+    if info.rank == 0:
+        logger.info(stats.line())
+    sinks.evaluation(stats)
+    return stats
 
 
 def _build(cfg: PretrainConfig, plan: RunPlan) -> _Run:
@@ -140,8 +178,9 @@ def _build(cfg: PretrainConfig, plan: RunPlan) -> _Run:
     logger.info(
         "MoE block: %s (%s)", "MegaMoE" if switch.use_mega_moe else "megatron-core MoELayer", switch.reason
     )
-    tokenizer = data.null_tokenizer(cfg.model.vocab_size)
-    chunks = model.build_model_chunks(cfg, tconfig, switch, tokenizer.vocab_size)
+    tokenizer = data.tokenizer_for(cfg)
+    vocab_size = data.model_vocab_size(cfg, tokenizer)
+    chunks = model.build_model_chunks(cfg, tconfig, switch, vocab_size)
     p = cfg.parallel
     logger.info(
         "model: %d chunk(s), %s parameters on rank 0; TP=%d PP=%d VPP=%s EP=%d DP=%d, %d micro-batches/step",
@@ -154,7 +193,7 @@ def _build(cfg: PretrainConfig, plan: RunPlan) -> _Run:
     scheduler = _scheduler(cfg, plan, optimizer)
     _wire_config(cfg, tconfig, ddp_chunks, optimizer)
     return _Run(tconfig=tconfig, switch=switch, chunks=ddp_chunks, optimizer=optimizer, scheduler=scheduler,
-                tokenizer=tokenizer)  # fmt: skip
+                tokenizer=tokenizer, vocab_size=vocab_size)  # fmt: skip
 
 
 def _resume(cfg: PretrainConfig, plan: RunPlan, run: _Run) -> int:
@@ -174,44 +213,44 @@ def _resume(cfg: PretrainConfig, plan: RunPlan, run: _Run) -> int:
 
 
 def _steps(
-    cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, run: _Run, start: int
-) -> tuple[list[metrics.StepStats], str | None]:
-    """Iterations ``start + 1 ..`` with logging and periodic checkpoints; the stats and the last save."""
+    cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, run: _Run, start: int,
+    datasets: data.Datasets, sinks: Sinks,
+) -> tuple[list[metrics.StepStats], str | None, EvalStats | None]:  # fmt: skip
+    """Iterations ``start + 1 ..`` with logging, evaluations and periodic checkpoints; the stats, the
+    last save and the last validation."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    dataset = data.mock_dataset(cfg, plan, run.tokenizer)
+    t = cfg.training
     dp_rank = parallel_state.get_data_parallel_rank()
-    iterators = [
-        data.batches(dataset, plan, cfg.training.micro_batch_size, dp_rank, start) for _ in run.chunks
-    ]
+    iterators = [data.batches(datasets.train, plan, t.micro_batch_size, dp_rank, start) for _ in run.chunks]
     forward_backward = get_forward_backward_func()
-    step_flops = metrics.flops_per_iteration(cfg, plan.global_batch_size)
-    log_path = Path(cfg.output_dir) / "training_log.jsonl"
-    if info.rank == 0:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+    step_flops = metrics.flops_per_iteration(cfg, plan.global_batch_size, run.vocab_size)
     history: list[metrics.StepStats] = []
     saved: str | None = None
-    stop = min(cfg.training.train_iters, cfg.training.exit_interval or cfg.training.train_iters)
-    bar = tqdm(total=cfg.training.train_iters, initial=start, desc="train", unit="it", file=sys.stderr,
-               disable=info.rank != 0 or not cfg.logging.progress_bar, dynamic_ncols=True)  # fmt: skip
+    valid: EvalStats | None = None
+    stop = min(t.train_iters, t.exit_interval or t.train_iters)
+    show_bar = info.rank == 0 and cfg.logging.progress_bar and sys.stderr.isatty()
+    bar = tqdm(total=t.train_iters, initial=start, desc="train", unit="it", file=sys.stderr,
+               disable=not show_bar, dynamic_ncols=True)  # fmt: skip
     for step in range(start, stop):
         stats = _one_step(cfg, plan, step, run, iterators, forward_backward, step_flops)
         history.append(stats)
+        sinks.train(stats)
         if info.rank == 0:
-            with log_path.open("a") as f:
-                f.write(json.dumps(asdict(stats)) + "\n")
             bar.update(1)
             bar.set_postfix(loss=f"{stats.lm_loss:.4f}", refresh=False)
             if stats.iteration % cfg.logging.log_interval == 0 or stats.iteration == stop:
-                logger.info(stats.line(cfg.training.train_iters))
+                logger.info(stats.line(t.train_iters))
         if not math.isfinite(stats.lm_loss):
             raise FloatingPointError(f"lm loss is {stats.lm_loss} at iteration {stats.iteration}")
+        if datasets.valid is not None and t.eval_interval and stats.iteration % t.eval_interval == 0:
+            valid = _evaluate(cfg, plan, run, datasets.valid, "valid", stats.iteration, sinks, info)
         interval = cfg.checkpoint.save_interval
         if interval and stats.iteration % interval == 0:
             saved = str(_save(cfg, plan, stats.iteration, run))
     bar.close()
-    return history, saved
+    return history, saved, valid
 
 
 def _seed(seed: int, tensor_parallel: Any, *, cuda_graphs: bool) -> None:
@@ -290,24 +329,6 @@ def _wire_config(cfg: PretrainConfig, tconfig: Any, ddp_chunks: list[Any], optim
         tconfig.param_sync_func = one_or_list([c.start_param_sync for c in ddp_chunks])
 
 
-def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    mask = loss_mask.view(-1).float()
-    loss = (output.float().view(-1) * mask).sum() / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
-
-
-def _forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
-    batch = next(data_iterator)
-    output = chunk(
-        batch["tokens"],
-        batch["position_ids"],
-        batch["attention_mask"],
-        labels=batch["labels"],
-        loss_mask=batch["loss_mask"],
-    )
-    return output, partial(_loss, batch["loss_mask"])
-
-
 def _one_step(
     cfg: PretrainConfig, plan: RunPlan, step: int, run: _Run, iterators: list[Any], forward_backward: Any,
     step_flops: float,
@@ -317,7 +338,7 @@ def _one_step(
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
     losses = forward_backward(
-        forward_step_func=_forward_step,
+        forward_step_func=forward_step,
         data_iterator=iterators,
         model=run.chunks,
         num_microbatches=plan.num_microbatches,
@@ -364,6 +385,8 @@ def _summarize(
     history: list[metrics.StepStats],
     saved: str | None,
     started: float,
+    valid: EvalStats | None,
+    test: EvalStats | None,
 ) -> Summary:
     skip = min(cfg.logging.log_avg_skip_iterations, max(len(history) - 1, 0))
     timed = history[skip:]
@@ -385,6 +408,8 @@ def _summarize(
         peak_mem_gib=float(peak),
         checkpoint=saved,
         wall_s=time.perf_counter() - started,
+        valid=valid,
+        test=test,
     )
 
 

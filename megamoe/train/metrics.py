@@ -49,8 +49,8 @@ def _moe_layer_count(cfg: PretrainConfig) -> int:
     return sum(freq)
 
 
-def flops_per_iteration(cfg: PretrainConfig, global_batch_size: int) -> float:
-    """Model FLOPs of one optimizer step over the whole job."""
+def flops_per_iteration(cfg: PretrainConfig, global_batch_size: int, vocab_size: int) -> float:
+    """Model FLOPs of one optimizer step over the whole job (``vocab_size``: the output layer's rows)."""
     m, moe = cfg.model, cfg.moe
     h, s = m.hidden_size, cfg.training.seq_length
     heads = m.num_attention_heads
@@ -77,7 +77,7 @@ def flops_per_iteration(cfg: PretrainConfig, global_batch_size: int) -> float:
         m.num_layers * (2 * attn_params + core)
         + 2 * (m.num_layers - n_moe) * dense_mlp
         + 2 * n_moe * moe_mlp
-        + 2 * h * m.vocab_size
+        + 2 * h * vocab_size
     )
     passes = 4 if cfg.training.recompute_granularity == "full" else 3
     return float(passes * per_token * global_batch_size * s)

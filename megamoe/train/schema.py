@@ -54,12 +54,15 @@ class ModelConfig:
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    vocab_size: int = 128
-    """Vocabulary of the mock data and the model (padded to make_vocab_size_divisible_by * TP)."""
+    vocab_size: int | None = None
+    """Rows of the embedding before padding to make_vocab_size_divisible_by * TP. Real data: null means
+    the tokenizer's vocabulary, a set value must be at least that. Mock data: its token ids (null: 128)."""
     make_vocab_size_divisible_by: int = 128
     tokenizer_type: str | None = None
-    """Recorded for the real data path; mock data uses a null tokenizer of vocab_size."""
+    """Real data: ``HuggingFaceTokenizer``, ``SentencePieceTokenizer`` or ``NullTokenizer`` (local files
+    only). Mock data ignores it."""
     tokenizer_model: str | None = None
+    """A HuggingFace tokenizer directory (``tokenizer.json``) or a SentencePiece ``.model`` file."""
     multi_latent_attention: bool = False
     """DeepSeek MLA attention (q/kv low-rank projections)."""
     q_lora_rank: int | None = None
@@ -164,7 +167,9 @@ class TrainingConfig:
     """What a graph captures (megatron-core values: ``full`` = the whole layer, ``attn``, ``moe``...)."""
     cuda_graph_warmup_steps: int = 3
     eval_iters: int = 0
+    """Global batches of validation data per evaluation (0: no evaluation)."""
     eval_interval: int | None = None
+    """Evaluate every this many iterations; null evaluates only at the end of training."""
     exit_interval: int | None = None
     """Stop after this iteration (for tests and preemption drills); None runs to train_iters."""
     gradient_accumulation_fusion: bool = False
@@ -209,14 +214,20 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    """Training data; this trainer implements megatron-core's mock GPT data only."""
+    """Training data: megatron indexed datasets (``train prepare-data``) or megatron-core's mock GPT data."""
 
     mock_data: bool = True
+    """Random tokens for benchmarks; false reads data_path (or the per-split paths)."""
     train_data_path: str | None = None
+    """A prefix or blend for training only (with valid_data_path / test_data_path, instead of data_path)."""
     valid_data_path: str | None = None
     test_data_path: str | None = None
     data_path: str | None = None
-    split: str = "99,1,0"
+    """A dataset prefix (``data/corpus_text_document``) or a blend ``"0.7 a 0.3 b"``, divided by split."""
+    split: str = "969,30,1"
+    """Train, validation and test shares of data_path's documents."""
+    data_cache_path: str | None = None
+    """Where megatron-core caches its dataset indices; null means ``<workspace>/data_cache``."""
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
@@ -259,9 +270,13 @@ class LoggingConfig:
     """Iterations (warm-up) left out of the summary's averages."""
     log_avg_reset_interval: int = 0
     wandb_project: str | None = None
-    """Accepted for Primus configs; this trainer does not log to wandb."""
+    """Log to Weights & Biases (offline mode) under this project, when ``wandb`` is installed."""
+    wandb_exp_name: str | None = None
+    """The W&B run's name; null means exp_name."""
+    wandb_save_dir: str | None = None
+    """Where W&B writes its offline run; null means ``<output dir>/wandb``."""
     tensorboard_dir: str | None = None
-    """Accepted for Primus configs; this trainer does not write tensorboard events."""
+    """Write TensorBoard scalars (losses, lr, grad norm, throughput, memory, validation) here."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megamoe.errors import InvalidConfigError, UnsupportedSettingError
+from megamoe.train.indexed import check_prefix, parse_blend, parse_split
 from megamoe.train.schema import KernelHints, PretrainConfig
+from megamoe.train.tokenizer import check_tokenizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +28,7 @@ class RunPlan:
     global_batch_size: int
     save_dir: Path
     load_dir: Path
+    data_cache_dir: Path
     cuda_graph_impl: str
     gradient_accumulation_fusion: bool
     notes: tuple[str, ...] = field(default=())
@@ -33,8 +36,10 @@ class RunPlan:
 
 def plan_run(cfg: PretrainConfig, *, world_size: int, has_cuda: bool) -> RunPlan:
     """Validate ``cfg`` for ``world_size`` ranks; raise the first problem with its setting's name."""
+    _check_ranges(cfg)
     _check_unsupported(cfg, has_cuda)
     _check_consistency(cfg)
+    _check_data(cfg)
     dp = _data_parallel_size(cfg, world_size)
     t = cfg.training
     gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
@@ -53,6 +58,7 @@ def plan_run(cfg: PretrainConfig, *, world_size: int, has_cuda: bool) -> RunPlan
         global_batch_size=gbs,
         save_dir=save,
         load_dir=Path(cfg.checkpoint.load) if cfg.checkpoint.load else save,
+        data_cache_dir=Path(cfg.data.data_cache_path or f"{cfg.workspace.rstrip('/')}/data_cache"),
         cuda_graph_impl=_cuda_graph_impl(cfg),
         gradient_accumulation_fusion=cfg.training.gradient_accumulation_fusion and _has_fused_wgrad(),
         notes=tuple(_notes(cfg)),
@@ -66,13 +72,6 @@ def _unsupported(setting: str, value: object, problem: str, remedy: str) -> Unsu
 def _check_unsupported(cfg: PretrainConfig, has_cuda: bool) -> None:
     t, m, p, c = cfg.training, cfg.moe, cfg.parallel, cfg.checkpoint
     checks = [
-        (
-            not cfg.data.mock_data,
-            "mock_data",
-            False,
-            "only megatron-core's mock GPT data is implemented",
-            "Set mock_data: true",
-        ),
         (
             c.ckpt_format != "torch_dist",
             "ckpt_format",
@@ -95,7 +94,6 @@ def _check_unsupported(cfg: PretrainConfig, has_cuda: bool) -> None:
             "a Primus-only switch with no megatron-core equivalent",
             "Set recompute_layer_ids: null and use recompute_method / recompute_num_layers",
         ),
-        (t.eval_iters > 0, "eval_iters", t.eval_iters, "evaluation is not implemented", "Set eval_iters: 0"),
         (
             p.context_parallel_size > 1,
             "context_parallel_size",
@@ -245,6 +243,113 @@ def _check_consistency(cfg: PretrainConfig) -> None:
             )
 
 
+def _check_data(cfg: PretrainConfig) -> None:
+    """Real data: the tokenizer's files, the blends and every prefix's .bin/.idx pair, by name."""
+    d, m = cfg.data, cfg.model
+    if d.mock_data:
+        return
+    per_split = {
+        n: getattr(d, n) for n in ("train_data_path", "valid_data_path", "test_data_path") if getattr(d, n)
+    }
+    if d.data_path and per_split:
+        raise InvalidConfigError(
+            "data_path",
+            d.data_path,
+            f"given together with {', '.join(per_split)}",
+            "Use data_path (with split) or the per-split paths",
+        )
+    if not d.data_path and "train_data_path" not in per_split:
+        raise InvalidConfigError(
+            "data_path",
+            None,
+            "mock_data is false but no data is given",
+            "Set data_path to a prefix made by `train prepare-data` (or a blend '0.7 a 0.3 b'), or mock_data: true",
+        )
+    check_tokenizer(m.tokenizer_type, m.tokenizer_model, m.vocab_size)
+    blends = {"data_path": d.data_path} if d.data_path else per_split
+    if d.data_path:
+        parse_split(d.split)
+    for setting, text in blends.items():
+        for prefix in parse_blend(text, setting).prefixes:
+            check_prefix(prefix, setting)
+
+
+_POSITIVE = {
+    "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "kv_channels", "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by",
+              "q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim", "original_max_position_embeddings"),
+    "moe": ("num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_topk",
+            "moe_router_num_groups", "moe_router_group_topk"),
+    "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                 "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size"),
+    "training": ("train_iters", "micro_batch_size", "global_batch_size", "seq_length", "eval_interval",
+                 "exit_interval"),
+    "optimizer": ("lr_decay_iters", "ddp_bucket_size"),
+    "checkpoint": ("save_interval",),
+    "logging": ("log_interval",),
+}  # fmt: skip
+"""Integer settings that must be >= 1 when set (null, where allowed, keeps its meaning)."""
+
+_NON_NEGATIVE = {
+    "model": ("qk_pos_emb_head_dim", "norm_epsilon", "init_method_std", "mtp_num_layers", "mtp_loss_scaling_factor"),
+    "moe": ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_router_bias_update_rate",
+            "moe_router_topk_scaling_factor", "moe_expert_capacity_factor"),
+    "parallel": ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
+    "training": ("eval_iters", "cuda_graph_warmup_steps", "recompute_num_layers"),
+    "optimizer": ("lr", "min_lr", "lr_warmup_iters", "lr_warmup_init", "weight_decay", "start_weight_decay",
+                  "end_weight_decay", "adam_eps", "clip_grad", "initial_loss_scale", "loss_scale"),
+    "logging": ("log_avg_skip_iterations", "log_avg_reset_interval"),
+    "data": ("num_workers",),
+}  # fmt: skip
+"""Numeric settings that must be >= 0 when set."""
+
+_UNIT_INTERVAL = {
+    "model": ("hidden_dropout", "attention_dropout", "rotary_percent"),
+    "optimizer": ("adam_beta1", "adam_beta2", "sgd_momentum"),
+}
+"""Settings that are fractions: 0 <= value <= 1 (betas < 1)."""
+
+
+def _check_ranges(cfg: PretrainConfig) -> None:
+    """Every numeric setting against its range, before anything else reads it."""
+
+    def values(table: dict[str, tuple[str, ...]]) -> list[tuple[str, float]]:
+        out = []
+        for section, names in table.items():
+            for name in names:
+                value = getattr(getattr(cfg, section), name)
+                if value is not None and not isinstance(value, bool):
+                    out.append((name, value))
+        return out
+
+    for name, value in values(_POSITIVE):
+        if value < 1:
+            raise InvalidConfigError(name, value, "must be >= 1", "Use a positive value")
+    for name, value in values(_NON_NEGATIVE):
+        if value < 0 or value != value:  # NaN fails too
+            raise InvalidConfigError(name, value, "must be >= 0", "Use zero or a positive value")
+    for name, value in values(_UNIT_INTERVAL):
+        top_open = name.startswith(("adam_beta", "sgd_"))
+        if not (0 <= value < 1 if top_open else 0 <= value <= 1):
+            bound = "0 <= value < 1" if top_open else "0 <= value <= 1"
+            raise InvalidConfigError(name, value, f"must satisfy {bound}", "Use a fraction")
+    o = cfg.optimizer
+    if o.lr == 0:
+        raise InvalidConfigError(
+            "lr", o.lr, "must be > 0: nothing would train", "Set a positive learning rate"
+        )
+    if o.min_lr > o.lr:
+        raise InvalidConfigError("min_lr", o.min_lr, f"above lr={o.lr}", "Set min_lr <= lr")
+    m = cfg.moe
+    if m.num_experts is not None and m.moe_router_topk > m.num_experts:
+        raise InvalidConfigError(
+            "moe_router_topk",
+            m.moe_router_topk,
+            f"more than num_experts={m.num_experts}",
+            "Lower moe_router_topk",
+        )
+
+
 def _data_parallel_size(cfg: PretrainConfig, world_size: int) -> int:
     p = cfg.parallel
     model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
@@ -296,9 +401,14 @@ def _notes(cfg: PretrainConfig) -> list[str]:
     ]
     if d.mock_data and paths:
         notes.append(f"{', '.join(paths)} ignored: mock_data is on")
-    for name in ("wandb_project", "tensorboard_dir"):
-        if getattr(cfg.logging, name):
-            notes.append(f"{name} is ignored: metrics go to the log and the final summary")
+    if cfg.logging.wandb_project and not _installed("wandb"):
+        notes.append(
+            f"wandb_project={cfg.logging.wandb_project!r}: wandb is not installed, so nothing goes to W&B "
+            "(pip install wandb); metrics go to training_log.jsonl"
+            + (" and tensorboard_dir" if cfg.logging.tensorboard_dir else "")
+        )
+    if not d.mock_data and cfg.training.eval_iters == 0:
+        notes.append("eval_iters=0: no validation loss is computed (set eval_iters and eval_interval)")
     if cfg.training.gradient_accumulation_fusion and not _has_fused_wgrad():
         notes.append(
             "gradient_accumulation_fusion turned off: apex's fused_weight_gradient_mlp_cuda is not installed"

@@ -18,7 +18,7 @@ def _cfg(**params: object):
 def test_flops_dense_gelu_gpt_is_24lh2_plus_causal_attention_plus_logits_times_three() -> None:
     cfg = _cfg(swiglu=False)
     per_token = L * (24 * H * H + 2 * S * H) + 2 * H * V  # 4h^2 attention + 8h^2 MLP weights; QK^T+AV halved
-    assert flops_per_iteration(cfg, GBS) == pytest.approx(3 * per_token * GBS * S)
+    assert flops_per_iteration(cfg, GBS, V) == pytest.approx(3 * per_token * GBS * S)
 
 
 def test_flops_moe_counts_topk_routed_shared_and_router_only_in_moe_layers() -> None:
@@ -28,9 +28,9 @@ def test_flops_moe_counts_topk_routed_shared_and_router_only_in_moe_layers() -> 
     dense_mlp = 2 * 3 * H * 128  # layer 0, SwiGLU
     moe_mlp = 2 * (2 * 3 * H * 32 + H * 8 + 3 * H * 16)  # layer 1: top-2 experts, router, shared expert
     per_token = attention + dense_mlp + moe_mlp + 2 * H * V
-    assert flops_per_iteration(cfg, GBS) == pytest.approx(3 * per_token * GBS * S)
+    assert flops_per_iteration(cfg, GBS, V) == pytest.approx(3 * per_token * GBS * S)
 
 
 def test_flops_full_recompute_adds_one_forward() -> None:
     plain, recompute = _cfg(), _cfg(recompute_granularity="full")
-    assert flops_per_iteration(recompute, GBS) == pytest.approx(flops_per_iteration(plain, GBS) * 4 / 3)
+    assert flops_per_iteration(recompute, GBS, V) == pytest.approx(flops_per_iteration(plain, GBS, V) * 4 / 3)
