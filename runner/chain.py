@@ -14,45 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from runner import config as config_mod
+from runner.command import Command, parse_command
 from runner.config import LauncherConfig
 from runner.errors import ConfigError
 
 # Options every mode understands before its own options end.
 COMMON_FLAGS = ("--dry-run", "--plan-json", "--debug")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Command:
-    """What torchrun runs: the trainer (`train pretrain ...`) or a script (`--script FILE ...`)."""
-
-    kind: Literal["train", "script"]
-    argv: tuple[str, ...]
-    """As typed: `("train", "pretrain", "--config", "X")` or `("--script", "f.py", "a")`."""
-
-    def target(self) -> tuple[str, ...]:
-        """torchrun's target: `-m megamoe.train pretrain ...` or `FILE args...`."""
-        if self.kind == "train":
-            return ("-m", "megamoe.train", *self.argv[1:])
-        return self.argv[1:]
-
-    def hook_group(self) -> tuple[str, str] | None:
-        """`hooks/<group>/<name>/` applies to `train pretrain` as ("train", "pretrain")."""
-        if self.kind == "train" and len(self.argv) >= 2:
-            return self.argv[0], self.argv[1]
-        return None
-
-    def files(self) -> tuple[str, ...]:
-        """Files the command reads that a container must see: the script, `--config X`."""
-        out = [self.argv[1]] if self.kind == "script" else []
-        for i, tok in enumerate(self.argv[:-1]):
-            if tok == "--config":
-                out.append(self.argv[i + 1])
-        out += [tok.split("=", 1)[1] for tok in self.argv if tok.startswith("--config=")]
-        return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +48,9 @@ class Request:
     follow: bool = False
     cwd: str = ""
     """The checkout (the launcher's working directory): mounted at the same path, hooks live here."""
+    run_dir: str | None = None
+    """The training's run directory (`<workspace>/<work_group>/<user_name>/<exp_name>`), as the
+    preflight reported it: the default home of the node logs."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -102,6 +77,7 @@ class Request:
             clean=data["clean"],
             follow=data["follow"],
             cwd=data["cwd"],
+            run_dir=data["run_dir"],
         )
 
     def inner(self) -> Request:
@@ -152,12 +128,32 @@ SLURM_SWITCHES = {
 CONFIG_FLAGS = ("nodes", "partition", "account", "qos", "time", "reservation", "exclusive", "job_name")
 
 
+# Flags whose value is a count: a positive integer (`[type:]N` for the GPU counts).
+SLURM_COUNTS = {
+    "nodes", "ntasks", "ntasks-per-node", "ntasks-per-socket", "ntasks-per-core", "ntasks-per-gpu",
+    "cpus-per-task", "cpus-per-gpu", "sockets-per-node", "cores-per-socket", "threads-per-core",
+}  # fmt: skip
+SLURM_GPU_COUNTS = {"gpus", "gpus-per-node", "gpus-per-task", "gpus-per-socket"}
+_COUNT = re.compile(r"[1-9][0-9]*")
+_GPU_COUNT = re.compile(r"([A-Za-z0-9_.-]+:)?[1-9][0-9]*")
+
+
+def _check_count(name: str, value: str | None, typed: str, where: str) -> None:
+    """A count flag's value is a positive integer (`-N abc` would reach torchrun as `--nnodes abc`)."""
+    pattern = _COUNT if name in SLURM_COUNTS else _GPU_COUNT if name in SLURM_GPU_COUNTS else None
+    if pattern is None or (value is not None and pattern.fullmatch(value)):
+        return
+    example = "[type:]N, e.g. 8 or mi300x:8" if pattern is _GPU_COUNT else "e.g. 2"
+    raise ConfigError(f"{where}: {typed}: --{name} must be a positive integer ({example}), got {value!r}.")
+
+
 def parse_slurm_flags(tokens: list[str], where: str) -> list[tuple[str, str | None]]:
-    """`-N 4`, `-N4`, `--nodes 4`, `--nodes=4` all become ("nodes", "4")."""
+    """`-N 4`, `-N4`, `--nodes 4`, `--nodes=4` all become ("nodes", "4"); counts are checked."""
     out: list[tuple[str, str | None]] = []
     i = 0
     while i < len(tokens):
         tok = tokens[i]
+        typed = tok
         if tok.startswith("--"):
             name, eq, value = tok[2:].partition("=")
             if (
@@ -167,6 +163,7 @@ def parse_slurm_flags(tokens: list[str], where: str) -> list[tuple[str, str | No
                 and not tokens[i + 1].startswith("-")
             ):
                 value, eq = tokens[i + 1], "="
+                typed = f"{tok} {value}"
                 i += 1
             out.append((name, value if eq else None))
         elif tok.startswith("-") and len(tok) >= 2 and tok[:2] in SLURM_SHORT:
@@ -177,6 +174,7 @@ def parse_slurm_flags(tokens: list[str], where: str) -> list[tuple[str, str | No
                 out.append((name, None))
             elif i + 1 < len(tokens):
                 out.append((name, tokens[i + 1]))
+                typed = f"{tok} {tokens[i + 1]}"
                 i += 1
             else:
                 raise ConfigError(f"{where}: slurm flag {tok} needs a value.")
@@ -186,14 +184,19 @@ def parse_slurm_flags(tokens: list[str], where: str) -> list[tuple[str, str | No
                 "Separate the slurm flags from the command with '--': "
                 "primus-cli slurm srun -N 2 -- container -- train pretrain --config X"
             )
+        _check_count(*out[-1], typed, where)
         i += 1
     return out
 
 
 def merge_slurm_flags(
-    cfg: LauncherConfig, cli: list[tuple[str, str | None]]
+    cfg: LauncherConfig, cli: list[tuple[str, str | None]], command: Command
 ) -> tuple[tuple[str, str | None], ...]:
-    """Config flags first (schema order), then CLI flags; a CLI flag replaces the config's value."""
+    """Config flags first (schema order), then CLI flags; a CLI flag replaces the config's value.
+
+    A command that runs once (`train prepare-data`) gets one node: `--nodes=1` unless given, and
+    more than one is an error rather than N copies writing the same files.
+    """
     merged: dict[str, str | None] = {}
     for key in CONFIG_FLAGS:
         value = getattr(cfg.slurm, key)
@@ -211,6 +214,11 @@ def merge_slurm_flags(
             "the per-GPU processes. Drop the flag; set GPUS_PER_NODE or direct.gpus_per_node instead."
         )
     merged.pop("ntasks-per-node", None)  # always added as --ntasks-per-node=1
+    if not command.distributed and merged.setdefault("nodes", "1") != "1":
+        raise ConfigError(
+            f"slurm --nodes={merged['nodes']}: `{command.name}` runs as one process on one node. "
+            "Use -N 1 (or leave -N out)."
+        )
     return tuple(merged.items())
 
 
@@ -248,6 +256,8 @@ CONTAINER_OPTS: dict[str, tuple[str, bool]] = {
     "--clean": ("clean", False),
 }
 SLURM_OWN = {"--follow": ("follow", False)}
+COUNT_OPTIONS = ("--gpus-per-node", "--master-port", "--hook-timeout")
+"""Mode options whose value is a positive integer."""
 
 
 def _env_option(value: str, parsed: Parsed, where: str) -> None:
@@ -306,6 +316,8 @@ def _mode_options(
             else:
                 value = inline if eq else _value(tokens, i, tok, mode)
                 i += 0 if eq else 1
+                if name in COUNT_OPTIONS and not _COUNT.fullmatch(value):
+                    raise ConfigError(f"primus-cli {mode}: {name} {value}: expected a positive integer.")
                 _apply(action, value, parsed, f"primus-cli {mode}")
         else:
             known = sorted({*opts, *COMMON_FLAGS, "--config", "--help"})
@@ -322,26 +334,6 @@ def _value(tokens: list[str], i: int, tok: str, mode: str) -> str:
     if i + 1 >= len(tokens):
         raise ConfigError(f"primus-cli {mode}: {tok} needs a value.")
     return tokens[i + 1]
-
-
-def parse_command(tokens: list[str]) -> Command:
-    if not tokens:
-        raise ConfigError(
-            "no command given. Add one after '--': `train pretrain --config FILE [--key value ...]` "
-            "or `--script FILE [args]`."
-        )
-    if tokens[0] == "--script":
-        if len(tokens) < 2:
-            raise ConfigError("--script needs a file: --script FILE [args].")
-        return Command(kind="script", argv=tuple(tokens))
-    if tokens[0] == "train":
-        if len(tokens) < 2 or tokens[1].startswith("-"):
-            raise ConfigError("`train` needs a subcommand: train pretrain --config FILE [--key value ...].")
-        return Command(kind="train", argv=tuple(tokens))
-    raise ConfigError(
-        f"unknown command '{tokens[0]}'. Expected `train pretrain --config FILE [--key value ...]` "
-        "or `--script FILE [args]`."
-    )
 
 
 def parse_chain(mode: str, tokens: list[str]) -> Parsed:
@@ -414,7 +406,7 @@ def make_request(parsed: Parsed, cfg: LauncherConfig, env: dict[str, str], *, cw
         command=parsed.command,
         config=cfg,
         launcher=(parsed.launcher or cfg.slurm.launcher) if on_slurm else None,  # type: ignore[arg-type]
-        slurm_flags=merge_slurm_flags(cfg, parsed.slurm_cli_flags) if on_slurm else (),
+        slurm_flags=merge_slurm_flags(cfg, parsed.slurm_cli_flags, parsed.command) if on_slurm else (),
         env_names=tuple(n for n in parsed.env_values if n in env),
         volumes=tuple(parsed.volumes),
         devices=tuple(parsed.devices),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from runner import __version__, chain, execute, templates
+from runner import __version__, chain, execute, preflight, templates
 from runner import config as config_mod
 from runner import host as host_mod
 from runner.logs import setup_logging
@@ -22,10 +22,12 @@ logger = logging.getLogger(__name__)
 CMD_HELP = """
 \b
 <cmd> is one of:
-  train pretrain --config FILE [--key value ...]   the trainer (torchrun -m megamoe.train ...)
+  train pretrain --config FILE [--key value ...]   the trainer (torchrun -m megamoe.train ...);
+                                                    its config is checked once first (the preflight)
+  train <other> [args ...]                          run once as one process (train prepare-data ...)
   --script FILE [args ...]                          any script under torchrun
 \b
-Every mode also takes --dry-run (print the plan, run nothing), --plan-json (the plan as JSON),
+Every mode also takes --dry-run (run the preflight, print the plan, run nothing else), --plan-json (the plan as JSON),
 --debug and --config FILE (launcher config) before <cmd>.
 """
 
@@ -113,6 +115,10 @@ def _launch(mode: str) -> None:
     plan_json = glob.plan_json or parsed.plan_json
     host = host_mod.gather(env)
     plan, node = build_plan(req, host, dry_run=dry_run or plan_json)
+    if plan.preflight:  # the trainer's config, checked once before any hook: exit 2 if it cannot start
+        verdict = execute.run_preflight(plan.preflight, env, req.cwd)
+        req = preflight.conclude(plan.preflight, verdict, req)
+        plan, node = build_plan(req, host, dry_run=dry_run or plan_json)
     if dry_run or plan_json:
         click.echo(json.dumps(plan.to_dict(), indent=2, sort_keys=True) if plan_json else str(plan))
         if req.chain == ("direct",):
@@ -129,14 +135,14 @@ USAGES = {
     "slurm": "[srun|sbatch] [SLURM FLAGS] -- [container|direct] [OPTIONS] [--] <cmd>",
 }
 HELPS = {
-    "direct": """Run <cmd> under torchrun on this node (hooks first).
+    "direct": """Run <cmd> under torchrun on this node (hooks first; `train <other>` runs once, without torchrun).
 
     \b
     direct options:
       --env NAME=VALUE      set a variable for the hooks and the training (never logged)
       --gpus-per-node N     torchrun --nproc-per-node (default: GPUS_PER_NODE, visible GPUs, 1)
-      --master-port P       rendezvous port when MASTER_PORT is unset
-      --log-dir DIR         node logs: DIR/<job>-node<rank>.log
+      --master-port P       rendezvous port when MASTER_PORT is unset (default: a free port)
+      --log-dir DIR         node logs: DIR/<job>-node<rank>.log (default: <run dir>/logs, else logs)
       --log-ranks all|first_last   which ranks reach the console (default first_last)
       --skip-hook NAME      do not run this hook (repeatable; also PRIMUS_SKIP_HOOKS=a,b)
       --hook-timeout S      per-hook timeout in seconds

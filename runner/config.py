@@ -79,8 +79,10 @@ class ContainerOpts:
 @dataclass(kw_only=True, slots=True)
 class DirectOpts:
     gpus_per_node: int | None
-    master_port: int
-    log_dir: str
+    master_port: int | None
+    """MASTER_PORT wins; null = a free port on one node, 1234 on several, 20000 + job id % 20000 in Slurm."""
+    log_dir: str | None
+    """null = `<run dir>/logs` for `train pretrain` (its experiment's run directory), else `logs`."""
     log_ranks: Literal["first_last", "all"]
 
 
@@ -183,11 +185,14 @@ def _convert(key: str, value: Any, annotation: Any, where: str) -> Any:
         raise ConfigError(f"{where}: {key} must be true or false, got {value!r}.")
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f"{where}: {key} must be an integer, got {value!r}.")
+            raise ConfigError(f"{where}: {key} must be a positive integer, got {value!r}.")
         try:
-            return int(value)
+            number = int(value)
         except ValueError as e:
-            raise ConfigError(f"{where}: {key} must be an integer, got {value!r}.") from e
+            raise ConfigError(f"{where}: {key} must be a positive integer, got {value!r}.") from e
+        if number < 1:  # every count, port and timeout of the launcher
+            raise ConfigError(f"{where}: {key} must be a positive integer, got {value!r}.")
+        return number
     if annotation is str:
         if isinstance(value, (dict, list)) or value is None:
             raise ConfigError(f"{where}: {key} must be a string, got {value!r}.")

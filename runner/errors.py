@@ -1,12 +1,18 @@
-"""Errors of the launcher: usage mistakes exit 2, launch failures exit 1, both without a traceback."""
+"""Errors of the launcher: usage mistakes exit 2, launch failures exit 1, both one line, no traceback."""
 
 from __future__ import annotations
+
+from typing import IO, Any
 
 import click
 
 
 class ConfigError(click.UsageError):
     """A bad launcher config value or command line (exit 2); the message names the setting and the fix."""
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        """`Error: <message>` alone: the message already says what to type (no usage block)."""
+        click.ClickException.show(self, file)
 
 
 class LaunchError(click.ClickException):

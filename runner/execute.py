@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from runner import env as env_mod
 from runner import hooks as hooks_mod
@@ -29,14 +29,14 @@ from runner.chain import Request
 from runner.errors import LaunchError
 from runner.modes import container as container_mod
 from runner.modes.direct import NodeContext
-from runner.plan import HookCall, LaunchPlan, Step
+from runner.plan import HookCall, LaunchPlan, Preflight, Step
+from runner.torchrun_output import TorchrunOutput
 
 logger = logging.getLogger(__name__)
 
 GRACE_S = 20.0
 TAIL_LINES = 20
-_RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:")
-_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+PREFLIGHT_TIMEOUT_S = 120
 _SRUN_TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): Exited with exit code (\d+)")
 
 
@@ -121,8 +121,8 @@ def _pump(
 
 
 def run_passthrough(argv: list[str], env: Mapping[str, str]) -> int:
-    """A child that writes straight to our stdout/stderr (the container client)."""
-    logger.info("running: %s", " ".join(argv[:2]))
+    """A child that writes straight to our stdout/stderr (the container client, a one-process command)."""
+    logger.debug("running: %s", " ".join(argv[:2]))
     proc = _spawn(argv, env, stdin=subprocess.DEVNULL)
     with _forwarding(proc):
         while True:
@@ -146,7 +146,7 @@ def run_hooks(
     out = hooks_mod.HookOutput()
     for call in calls:
         argv = [*hooks_mod.interpreter(call.path, python), *call.argv]
-        logger.info("hook %s: running", call.name)
+        logger.debug("hook %s: running", call.name)
         tail: list[str] = []
 
         def on_line(line: str, name: str = call.name, tail: list[str] = tail) -> None:
@@ -169,7 +169,9 @@ def run_hooks(
             raise LaunchError(f"hook {call.name}: stopped by {signal.Signals(_forwarder.received).name}")
         if rc != 0:
             raise LaunchError(_hook_failure(call.name, f"exited with code {rc}", tail))
-        logger.info("hook %s: done in %.1f s", call.name, time.monotonic() - start)
+        # A hook with nothing to say (one that is switched off) leaves no line on the console.
+        level = logging.INFO if any(line.strip() for line in tail) else logging.DEBUG
+        logger.log(level, "hook %s: done in %.1f s", call.name, time.monotonic() - start)
     return out
 
 
@@ -217,15 +219,56 @@ def _hook_failure(name: str, what: str, tail: list[str]) -> str:
 # --------------------------------------------------------------------------- torchrun
 
 
+def run_preflight(check: Preflight, env: Mapping[str, str], cwd: str) -> dict[str, Any] | None:
+    """Run the trainer's config check; its JSON verdict, or None (with a warning) when it gave none."""
+    logger.debug("preflight: %s", " ".join(check.argv))
+    try:
+        res = subprocess.run(
+            list(check.argv), env=dict(env), cwd=cwd, capture_output=True, text=True,
+            timeout=PREFLIGHT_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        logger.warning("preflight skipped: %s; the trainer checks its config when its ranks start", e)
+        return None
+    lines = res.stdout.strip().splitlines()
+    with suppress(ValueError, IndexError):
+        verdict = json.loads(lines[-1])
+        if isinstance(verdict, dict) and res.returncode in (0, 2):
+            return verdict
+    last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+    logger.warning(
+        "preflight gave no verdict (exit code %d: %s); the trainer checks its config when its ranks start",
+        res.returncode, last,
+    )  # fmt: skip
+    return None
+
+
+def run_python(plan: LaunchPlan, step: Step, req: Request, env: Mapping[str, str]) -> int:
+    """Hooks, then the command once as one plain process (`train prepare-data ...`)."""
+    out = run_hooks(plan.hooks, env, req.config.hooks.timeout_s, step.argv[0])
+    logger.info("%s: one process on this node", req.command.name)
+    return run_passthrough([*step.argv, *out.extra], {**env, **out.env})
+
+
+def _torchrun_env(env: Mapping[str, str], exported: Mapping[str, str], ctx: NodeContext) -> dict[str, str]:
+    """The workers' environment; OMP_NUM_THREADS=1 unless set (torchrun's own choice, minus its banner)."""
+    child = {**env, **exported, **ctx.env(), "PYTHONUNBUFFERED": "1"}
+    if int(ctx.nproc) > 1:
+        child.setdefault("OMP_NUM_THREADS", "1")
+    return child
+
+
 def run_torchrun(plan: LaunchPlan, step: Step, ctx: NodeContext, req: Request, env: Mapping[str, str]) -> int:
-    """Hooks, then torchrun; every line goes to the node log, the first and last rank to the console."""
+    """Hooks, then torchrun; every line goes to the node log, the first and last rank to the console,
+    and a failure is reported in one line (see torchrun_output)."""
     cfg = req.config
     out = run_hooks(plan.hooks, env, cfg.hooks.timeout_s, step.argv[0])
     argv = [*step.argv, *out.extra]
-    child_env = {**env, **out.env, **ctx.env(), "PYTHONUNBUFFERED": "1"}
     log_path = Path(plan.log_file or "primus-node.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    show = _console_ranks(cfg.direct.log_ranks, ctx)
+    output = TorchrunOutput(
+        _console_ranks(cfg.direct.log_ranks, ctx), show_agent=logger.isEnabledFor(logging.DEBUG)
+    )
     logger.info(
         "node %s/%s: torchrun with %s processes, master %s:%s; node log %s",
         ctx.node_rank, ctx.nnodes, ctx.nproc, ctx.master_addr, ctx.master_port, log_path,
@@ -233,40 +276,29 @@ def run_torchrun(plan: LaunchPlan, step: Step, ctx: NodeContext, req: Request, e
     with log_path.open("a", buffering=1) as log:
         proc = _spawn(
             argv,
-            child_env,
+            _torchrun_env(env, out.env, ctx),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             stdin=subprocess.DEVNULL,
         )
 
-        root_cause: list[int] = []
-
         def on_line(line: str) -> None:
             log.write(line)
-            _root_cause(line, root_cause)
-            m = _RANK_PREFIX.match(line)
-            if show is None or m is None or int(m.group(1)) in show:
+            if output.to_console(line):
                 sys.stdout.write(line)
                 sys.stdout.flush()
 
         with _forwarding(proc):
             assert proc.stdout is not None
             rc = _exit_code(_pump(proc.stdout, proc, on_line))
-    if rc != 0 and len(root_cause) == 2 and not _forwarder.received:
-        code = root_cause[1]
-        rc = 128 - code if code < 0 else code  # the failing worker's code, not torchrun's 1
-    if rc != 0:
-        logger.error("training exited with code %d (node log: %s)", rc, log_path)
-    return rc
-
-
-def _root_cause(line: str, state: list[int]) -> None:
-    """torchrun exits 1 whatever its worker did; its summary names the first failure's exit code."""
-    if not state and "Root Cause (first observed failure)" in line:
-        state.append(0)
-    elif len(state) == 1 and (m := _EXITCODE.search(line)):
-        state.append(int(m.group(1)))
+    if rc == 0:
+        return 0
+    if _forwarder.received:
+        logger.error("stopped by %s (node log: %s)", signal.Signals(_forwarder.received).name, log_path)
+        return rc
+    logger.error("%s", output.summary(rc, str(log_path)))
+    return output.worker_exit_code() or rc  # the failing worker's code, not torchrun's 1
 
 
 def _console_ranks(mode: str, ctx: NodeContext) -> set[int] | None:
@@ -297,6 +329,8 @@ def clean_containers(rt: str) -> None:
 def run_container(step: Step, req: Request, ctx: NodeContext, env: Mapping[str, str]) -> int:
     if req.clean:
         clean_containers(step.argv[0])
+    for path in container_mod.output_dirs(req):  # a runtime will not mount a directory that is missing
+        path.mkdir(parents=True, exist_ok=True)
     child_env = {**env, **ctx.env(), env_mod.REQUEST_VAR: json.dumps(req.inner().to_dict())}
     logger.info("container %s: forwarding %d variables by name", step.argv[4], len(step.env_names))
     return run_passthrough(list(step.argv), child_env)
@@ -397,4 +431,6 @@ def execute(plan: LaunchPlan, req: Request, ctx: NodeContext, env: Mapping[str, 
         return run_srun(first, req, env)
     if first.kind == "container":
         return run_container(first, req, ctx, env)
+    if first.kind == "python":
+        return run_python(plan, first, req, env)
     return run_torchrun(plan, first, ctx, req, env)

@@ -1,12 +1,15 @@
 """Facts about the machine, gathered once and passed to the pure plan builders.
 
 A dry run and a test build the same plan from the same facts; tests construct `HostFacts` by hand.
-Nothing here starts a process (`execute.py` is the only module that does).
+Nothing here starts a process (`execute.py` is the only module that does); the port helpers only
+bind a socket and close it.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
+import importlib.util
 import os
 import shutil
 import socket
@@ -25,6 +28,29 @@ def _resolves(host: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def _free_port() -> int:
+    """A port nobody listens on now: the kernel's pick for a socket bound to port 0."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _port_in_use(port: int) -> bool:
+    """True when binding the port fails as torchrun's store would (SO_REUSEADDR: TIME_WAIT is free)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def _trainer_importable() -> bool:
+    """megamoe and torch can be imported by this interpreter (looked up, not imported)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("megamoe", "torch"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +72,11 @@ class HostFacts:
     job_id: str = "local"
     """PRIMUS_JOB_ID (set for the layer inside a container), SLURM_JOB_ID, or a timestamp and pid:
     names logs and containers uniquely."""
+    trainer_importable: bool = True
+    """`python -m megamoe.train` can run here: the preflight config check runs on this host."""
     resolves: Callable[[str], bool] = field(default=_resolves, compare=False)
+    free_port: Callable[[], int] = field(default=_free_port, compare=False)
+    port_in_use: Callable[[int], bool] = field(default=_port_in_use, compare=False)
 
 
 def _count_visible(env: Mapping[str, str]) -> tuple[str, int]:
@@ -94,6 +124,7 @@ def gather(env: Mapping[str, str] | None = None) -> HostFacts:
         runtimes=_runtimes(env),
         checkout=str(Path(__file__).resolve().parent.parent),
         job_id=job_id,
+        trainer_importable=_trainer_importable(),
     )
 
 

@@ -1,8 +1,9 @@
 """The launch plan: a frozen, serialisable tree that `--dry-run` prints and `execute` runs.
 
-A plan lists its steps outermost first (sbatch or srun, then the container, then torchrun), the
-hooks that run before the command, the names of forwarded variables (never their values) and
-warnings. `str(plan)` is the dry-run text, `to_dict()` the `--plan-json` payload. Values that are
+A plan lists the trainer's config check that runs first (the preflight), its steps outermost first
+(sbatch or srun, then the container, then torchrun, or a plain python for a command that runs
+once), the hooks that run before the command, the names of forwarded variables (never their
+values) and warnings. `str(plan)` is the dry-run text, `to_dict()` the `--plan-json` payload. Values that are
 only known on each node (its rank, the job id) appear as `<NAME>` placeholders.
 """
 
@@ -12,7 +13,9 @@ import shlex
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-StepKind = Literal["sbatch", "srun", "container", "torchrun"]
+StepKind = Literal["sbatch", "srun", "container", "torchrun", "python"]
+COMMAND_STEPS = ("torchrun", "python")
+"""The step kinds that run the command itself (the hooks run just before them)."""
 
 DRY_RUN_OK_MARK = "primus-hook: dry-run-ok"
 
@@ -53,6 +56,26 @@ class HookCall:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Preflight:
+    """`python -m megamoe.train check`: the trainer's config checked once, here, before any hook."""
+
+    argv: tuple[str, ...]
+    world_size: int
+    basis: str
+    """How the world size is made up: `2 nodes x 8 processes`."""
+    assumed: str = ""
+    """What was assumed or guessed because this host cannot know it (said with a failure too)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"argv": list(self.argv), "world_size": self.world_size, "basis": self.basis}
+        return {**out, "assumed": self.assumed}
+
+    def describe(self) -> str:
+        assumed = f"; assumed: {self.assumed}" if self.assumed else ""
+        return f"world size {self.world_size} = {self.basis}{assumed}"
+
+
+@dataclass(frozen=True, kw_only=True)
 class LaunchPlan:
     """Everything a launch would do, in order; executing it never changes it."""
 
@@ -65,6 +88,7 @@ class LaunchPlan:
     warnings: tuple[str, ...] = ()
     log_file: str | None = None
     skipped_hooks: tuple[str, ...] = field(default=())
+    preflight: Preflight | None = None
 
     def wrapped_by(self, outer: Step, warnings: tuple[str, ...] = ()) -> LaunchPlan:
         """This plan with ``outer`` run first (a mode wrapping the chain built so far)."""
@@ -88,12 +112,17 @@ class LaunchPlan:
             "env_names": list(self.env_names),
             "warnings": list(self.warnings),
             "log_file": self.log_file,
+            "preflight": self.preflight.to_dict() if self.preflight else None,
         }
 
     def __str__(self) -> str:
-        lines = [f"# primus-cli plan: {' -> '.join(self.chain)} (dry run: nothing was run)"]
+        ran = "only the preflight ran" if self.preflight else "nothing was run"
+        lines = [f"# primus-cli plan: {' -> '.join(self.chain)} (dry run: {ran})"]
+        if self.preflight:
+            lines.append(f"# preflight (here, before any hook): {self.preflight.describe()}")
+            lines.append(shlex.join(self.preflight.argv))
         for i, step in enumerate(self.steps, 1):
-            if step.kind == "torchrun" and (self.hooks or self.skipped_hooks):
+            if step.kind in COMMAND_STEPS and (self.hooks or self.skipped_hooks):
                 lines.append(f"# hooks ({self.hooks_where}, before the command):")
                 lines += [
                     f"#   {h.name}{'  [dry-run-ok]' if h.dry_run_ok else ''}  ({h.path})" for h in self.hooks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -15,6 +16,7 @@ from megamoe.train import distributed
 from megamoe.train import tokenizer as tokenizers
 from megamoe.train.config import resolve_config
 from megamoe.train.logs import setup_logging
+from megamoe.train.preflight import check
 from megamoe.train.validate import plan_run
 
 logger = logging.getLogger("megamoe.train")
@@ -146,6 +148,7 @@ def prepare_data(**options: object) -> None:
     """
     from megamoe.train.prepare_data import PrepareSettings, prepare
 
+    setup_logging(0)
     settings = PrepareSettings(
         inputs=tuple(Path(p) for p in _split_list(options.pop("inputs"))),
         json_keys=_split_list(options.pop("json_keys")),
@@ -170,7 +173,12 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+cli.add_command(check)
+
+
 def main() -> None:
+    # Tokenizers load from local paths only; the hub libraries must never try the network.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cli(prog_name="python -m megamoe.train")
 
 

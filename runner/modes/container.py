@@ -1,7 +1,8 @@
 """container: wrap the direct layer in `docker run` or `podman run` on each node.
 
 The checkout is mounted at its own path and is the working directory; files the command names
-outside it (`--script`, `--config`) are mounted read-only at their own paths. Inside, the same
+outside it (`--script`, `--config`, `--input`, `--tokenizer-model`) are mounted read-only at their
+own paths, and the directory of an `--output-prefix` read-write. Inside, the same
 `python -m runner.node` runs the direct layer from the request in PRIMUS_LAUNCH_REQUEST. Every
 variable crosses as `-e NAME` (the value comes from the runtime's environment, never argv).
 Each container gets a unique name (job id and node rank) and our label; `--clean` removes only
@@ -44,6 +45,11 @@ def runtime(req: Request, host: HostFacts, warnings: list[str], *, dry_run: bool
 def gpu_flags(req: Request, host: HostFacts, rt: str, warnings: list[str], *, dry_run: bool) -> list[str]:
     """AMD: /dev/kfd, /dev/dri (and /dev/infiniband when present), group video. NVIDIA: all GPUs."""
     vendor = req.config.container.gpu
+    if vendor == "auto" and host.gpu_vendor == "none" and dry_run:
+        warnings.append(
+            f"no container GPU flags: guessed from this host (no GPUs visible on {host.hostname}); "
+            "set --gpu amd|nvidia for a GPU job"
+        )
     vendor = host.gpu_vendor if vendor == "auto" else vendor
     if vendor == "amd":
         missing = [d for d in ("/dev/kfd", "/dev/dri") if d not in host.devices]
@@ -66,8 +72,14 @@ def gpu_flags(req: Request, host: HostFacts, rt: str, warnings: list[str], *, dr
     return []
 
 
+def output_dirs(req: Request) -> list[Path]:
+    """Directories the command writes to, as absolute paths (the launch creates them first)."""
+    return [(Path(req.cwd) / name).resolve() for name in req.command.output_dirs()]
+
+
 def _mounts(req: Request, host: HostFacts) -> list[str]:
-    """The checkout and the working directory at their own paths, files named outside them read-only."""
+    """The checkout and the working directory at their own paths; outside them, the files the command
+    reads read-only and the directories it writes read-write."""
     roots = list(dict.fromkeys(Path(p).resolve() for p in (host.checkout, req.cwd)))
     roots = [r for r in roots if not any(r != o and r.is_relative_to(o) for o in roots)]
     flags = [a for r in roots for a in ("-v", f"{r}:{r}")]
@@ -75,6 +87,9 @@ def _mounts(req: Request, host: HostFacts) -> list[str]:
         path = (Path(req.cwd) / name).resolve()
         if not any(path.is_relative_to(r) for r in roots):
             flags += ["-v", f"{path}:{path}:ro"]
+    for path in output_dirs(req):
+        if not any(path.is_relative_to(r) for r in roots):
+            flags += ["-v", f"{path}:{path}"]
     for vol in (*req.config.container.volumes, *req.volumes):
         flags += ["-v", vol]
     return flags

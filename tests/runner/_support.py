@@ -28,6 +28,8 @@ def host_facts(**overrides: object) -> HostFacts:
         "checkout": "/src/megamoe",
         "job_id": "job42",
         "resolves": lambda host: True,
+        "free_port": lambda: 29400,
+        "port_in_use": lambda port: False,
     }
     values.update(overrides)
     return HostFacts(**values)

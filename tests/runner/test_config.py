@@ -49,11 +49,12 @@ def test_layers_merge_key_by_key_and_later_layers_win(tmp_path: Path) -> None:
     [
         ("slurm: {partiton: x}\n", "Did you mean 'slurm.partition'"),
         ("contianer: {image: x}\n", "Did you mean 'container'"),
-        ("direct: {master_port: abc}\n", "direct.master_port must be an integer"),
+        ("direct: {master_port: abc}\n", "direct.master_port must be a positive integer"),
+        ("direct: {gpus_per_node: 0}\n", "direct.gpus_per_node must be a positive integer, got 0"),
         ("container: {runtime: lxc}\n", "not one of: auto, docker, podman"),
         ("slurm: [1, 2]\n", "section 'slurm' must be a mapping"),
     ],
-    ids=["unknown-key", "unknown-section", "bad-int", "bad-choice", "bad-section"],
+    ids=["unknown-key", "unknown-section", "bad-int", "zero-count", "bad-choice", "bad-section"],
 )
 def test_bad_config_is_an_error_naming_the_key(tmp_path: Path, text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
