@@ -15,7 +15,7 @@ import re
 from collections import deque
 from dataclasses import dataclass
 
-_RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:")
+_RANK_PREFIX = re.compile(r"^\[[A-Za-z_]+?(\d+)\]:")  # `[default3]:`; the dump's `[3]:` is torchrun's
 _ROOT_CAUSE = "Root Cause (first observed failure)"
 _ROOT_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")

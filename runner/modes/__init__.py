@@ -23,7 +23,7 @@ def build_plan(req: Request, host: HostFacts, *, dry_run: bool) -> tuple[LaunchP
     ctx, warnings = direct.node_context(req, host, dry_run=dry_run, symbolic_slurm=symbolic)
     check, check_warnings = preflight.plan_check(req, host, ctx, symbolic=symbolic)
     has_container = "container" in req.chain
-    node_where = "on each node" if symbolic else "here"
+    node_where = ("on each node" if req.command.distributed else "on one node") if symbolic else "here"
     inner_where = f"inside the container {node_where}" if has_container else node_where
     python = container.container_python(req, host) if has_container else host.python
     plan = direct.build(req, host, ctx, python=python, where=inner_where, warnings=warnings)

@@ -6,6 +6,7 @@ with a `--script` that prints its environment, against the fake upstream of conf
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -99,3 +100,18 @@ def test_rebuild_hook_on_every_node_of_a_slurm_job_builds_once(
     assert done.stderr.count("[primus-turbo] up to date") == 1
     assert done.stdout.count(f"seen primus_turbo.COMMIT={fake_turbo.minimum}") == 2  # both ranks
     assert builds(hook_env) == [fake_turbo.minimum]
+
+
+@pytest.mark.parametrize("value", [None, "0"], ids=["unset", "zero"])
+def test_rebuild_hook_off_leaves_no_line_on_the_console(tmp_path: Path, value: str | None) -> None:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("PRIMUS_", "REBUILD_", "MASTER_", "SLURM_"))
+    }
+    env.update({"GPUS_PER_NODE": "1"} | ({"REBUILD_PRIMUS_TURBO": value} if value is not None else {}))
+    job = tmp_path / "job.py"
+    job.write_text("print('trained', flush=True)\n")
+    argv = [str(PRIMUS_CLI), "direct", "--log-dir", str(tmp_path / "logs"), "--", "--script", str(job)]
+    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trained" in done.stdout
+    assert "00_rebuild_primus_turbo" not in done.stderr and "primus-turbo" not in done.stderr

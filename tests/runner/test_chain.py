@@ -93,3 +93,49 @@ def test_env_option_keeps_only_the_name_in_the_request() -> None:
 def test_request_round_trips_through_json() -> None:
     req = request("slurm", ["srun", "-N", "2", "--", "container", "-v", "/a:/b", "--", "--script", "a.py"])
     assert chain.Request.from_dict(req.to_dict()) == req
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["-N", "abc"], "primus-cli slurm: -N abc: --nodes must be a positive integer (e.g. 2), got 'abc'."),
+        (["--nodes=0"], "--nodes=0: --nodes must be a positive integer"),
+        (["-N-2"], "-N-2: --nodes must be a positive integer"),
+        (["--cpus-per-task", "x"], "--cpus-per-task x: --cpus-per-task must be a positive integer"),
+        (["--ntasks-per-node=two"], "--ntasks-per-node=two: --ntasks-per-node must be a positive integer"),
+        (["--gpus-per-node=mi300x:"], "--gpus-per-node must be a positive integer ([type:]N"),
+    ],
+    ids=["nodes-word", "nodes-zero", "nodes-negative", "cpus", "tasks", "gpus"],
+)
+def test_slurm_count_flags_must_be_positive_integers(flags: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        request("slurm", ["srun", *flags, "--", "direct", "--", "--script", "a.py"])
+    assert message in err.value.format_message()
+
+
+def test_slurm_gpu_counts_may_name_the_gpu_type() -> None:
+    req = request("slurm", ["srun", "--gpus-per-node=mi300x:8", "--", "direct", "--", "--script", "a.py"])
+    assert dict(req.slurm_flags)["gpus-per-node"] == "mi300x:8"
+
+
+@pytest.mark.parametrize("option", ["--gpus-per-node", "--master-port", "--hook-timeout"])
+@pytest.mark.parametrize("value", ["0", "abc", "-1"])
+def test_direct_count_options_must_be_positive_integers(option: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"{option} {value}: expected a positive integer"):
+        request("direct", [f"{option}={value}", "--", "--script", "a.py"])
+
+
+PREPARE = ["train", "prepare-data", "--input", "c.jsonl", "--output-prefix", "d/c"]
+
+
+@pytest.mark.parametrize("launcher", ["srun", "sbatch"])
+def test_slurm_command_that_runs_once_gets_one_node(launcher: str) -> None:
+    req = request("slurm", [launcher, "-p", "cpu", "--", "direct", "--", *PREPARE])
+    assert dict(req.slurm_flags)["nodes"] == "1"
+
+
+def test_slurm_command_that_runs_once_on_several_nodes_is_an_error() -> None:
+    with pytest.raises(
+        ConfigError, match=r"slurm --nodes=4: `train prepare-data` runs as one process on one node"
+    ):
+        request("slurm", ["srun", "-N", "4", "--", "direct", "--", *PREPARE])

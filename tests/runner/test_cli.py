@@ -181,3 +181,19 @@ def test_skip_hook_is_shown_as_skipped_in_the_plan(workdir: Path) -> None:
     res = _run(*args, "--script", "a.py")
     assert res.exit_code == 0
     assert "00_mark.sh  [skipped]" in res.output
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--dry-run", "slurm", "srun", "-N", "abc", "--", "direct", "--", "--script", "a.py"],
+         "Error: primus-cli slurm: -N abc: --nodes must be a positive integer (e.g. 2), got 'abc'."),
+        (["--dry-run", "direct", "--gpus-per-node", "0", "--", "--script", "a.py"],
+         "Error: primus-cli direct: --gpus-per-node 0: expected a positive integer."),
+    ],
+    ids=["slurm-nodes", "direct-gpus"],
+)  # fmt: skip
+def test_usage_error_is_one_line_naming_the_flag_and_value(workdir: Path, args: list[str], line: str) -> None:
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2
+    assert res.output.splitlines() == [line]

@@ -76,3 +76,25 @@ def test_container_name_is_unique_per_job_and_labelled() -> None:
     argv = plan("container", ["--image", "i", *CMD]).step("container").argv
     assert argv[argv.index("--name") + 1] == "primus-job42-node0"
     assert "io.megamoe.primus-cli=1" in argv
+
+
+def test_container_mounts_what_a_one_process_command_reads_and_writes() -> None:
+    cmd = ["--", "train", "prepare-data", "--input", "/data/a.jsonl,in/b.jsonl", "--tokenizer-model", "/models/tok",
+           "--output-prefix", "/scratch/out/corpus"]  # fmt: skip
+    p = plan("container", ["--image", "i", *cmd])
+    argv = p.step("container").argv
+    mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "-v"]
+    assert mounts == [
+        "/src/megamoe:/src/megamoe", "/work/job:/work/job", "/data/a.jsonl:/data/a.jsonl:ro",
+        "/models/tok:/models/tok:ro", "/scratch/out:/scratch/out",
+    ]  # fmt: skip
+    assert p.steps[-1].kind == "python"
+
+
+def test_container_without_gpus_here_says_the_gpu_flags_were_guessed_in_a_dry_run() -> None:
+    p = plan("container", ["--image", "i", *CMD], gpu_vendor="none", visible_gpus=0)
+    assert not {"--gpus", "--group-add"} & set(p.step("container").argv)
+    assert any(w.startswith("no container GPU flags: guessed from this host") for w in p.warnings)
+    assert not any(
+        "GPU flags" in w for w in plan("container", ["--image", "i", "--gpu", "none", *CMD]).warnings
+    )

@@ -1,12 +1,15 @@
-"""direct mode: nproc and rendezvous from env or Slurm, checked with errors that name the variable."""
+"""direct mode: nproc and rendezvous from env or Slurm, checked with errors that name the variable;
+node logs; the one-process step."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
 from runner.errors import ConfigError
 from runner.modes import direct
-from tests.runner._support import host_facts, request
+from tests.runner._support import host_facts, plan, request
 
 SCRIPT = ["--", "--script", "a.py"]
 
@@ -86,3 +89,62 @@ def test_batch_script_without_srun_runs_one_node_and_says_so() -> None:
     ctx, warnings = direct.node_context(request("direct", SCRIPT), facts, dry_run=False)
     assert ctx.nnodes == "1"
     assert any("not in an srun step" in w for w in warnings)
+
+
+def test_port_free_one_is_picked_on_one_node_when_none_is_given() -> None:
+    assert _ctx({}, free_port=lambda: 40001).master_port == "40001"
+    assert _ctx({}, dry_run=True).master_port == "<FREE_PORT>"
+
+
+def test_port_given_or_several_nodes_is_not_picked() -> None:
+    assert _ctx({"MASTER_PORT": "29501"}, free_port=lambda: 40001).master_port == "29501"
+    several = {"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h"}
+    assert _ctx(several, free_port=lambda: 40001).master_port == "1234"  # every node can know it
+
+
+def test_port_given_that_is_taken_here_is_an_error_and_a_warning_in_a_dry_run() -> None:
+    taken = {"port_in_use": lambda port: port == 29501}
+    with pytest.raises(ConfigError, match=r"^MASTER_PORT=29501: already in use on login1 \(another job"):
+        _ctx({"MASTER_PORT": "29501"}, **taken)
+    req = request("direct", SCRIPT)
+    _, warnings = direct.node_context(req, host_facts(env={"MASTER_PORT": "29501"}, **taken), dry_run=True)
+    assert any("MASTER_PORT=29501: already in use" in w for w in warnings)
+
+
+def test_nproc_read_off_this_host_is_a_dry_run_warning() -> None:
+    req = request("direct", SCRIPT)
+    _, warnings = direct.node_context(req, host_facts(env={}, visible_gpus=0), dry_run=True)
+    assert warnings == [
+        "nproc-per-node=1 guessed from this host (no GPUs visible); set GPUS_PER_NODE or --gpus-per-node"
+    ]
+    _, warnings = direct.node_context(
+        req, host_facts(env={"GPUS_PER_NODE": "2"}, visible_gpus=0), dry_run=True
+    )
+    assert warnings == []
+
+
+@pytest.mark.parametrize(
+    ("tokens", "run_dir", "log"),
+    [
+        (SCRIPT, None, "/work/job/logs/job42-node0.log"),
+        (["--", "train", "pretrain", "--config", "c.yaml"], "/work/job/output/g/u/e", "/work/job/output/g/u/e/logs/job42-node0.log"),
+        (["--log-dir", "mine", "--", "train", "pretrain", "--config", "c.yaml"], "/work/job/output/g/u/e", "/work/job/mine/job42-node0.log"),
+    ],
+    ids=["script", "run-dir", "explicit-wins"],
+)  # fmt: skip
+def test_node_log_goes_under_the_run_directory_unless_set(
+    tokens: list[str], run_dir: str | None, log: str
+) -> None:
+    req = replace(request("direct", tokens), run_dir=run_dir)
+    assert direct.log_file(req, _ctx({})) == log
+
+
+def test_command_that_runs_once_is_one_python_process_after_the_hooks() -> None:
+    p = plan("direct", ["--", "train", "prepare-data", "--input", "c.jsonl", "--output-prefix", "d/c"])
+    [step] = p.steps
+    assert step.kind == "python"
+    assert step.argv == (
+        "/src/megamoe/.venv/bin/python", "-m", "megamoe.train", "prepare-data",
+        "--input", "c.jsonl", "--output-prefix", "d/c",
+    )  # fmt: skip
+    assert p.preflight is None and p.log_file is None and p.warnings == ()

@@ -76,3 +76,46 @@ def test_direct_hook_exports_and_extras_reach_the_training(tmp_path: Path) -> No
     )
     assert res.returncode == 0, res.stderr
     assert "GOT hooked ['x', '--backend_path', '/opt/megatron']" in res.stdout
+
+
+def test_direct_two_jobs_on_one_node_without_a_port_both_finish(tmp_path: Path) -> None:
+    """No MASTER_PORT, no --master-port: each job gets its own free port instead of colliding."""
+    job = tmp_path / "allreduce.py"
+    job.write_text(ALLREDUCE)
+    env = job_env({"PATH": "/usr/bin:/bin"})
+    jobs = [
+        subprocess.Popen(
+            [PRIMUS_CLI, "direct", "--", "--script", str(job), str(i)],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for i, proc in enumerate(jobs):
+        out, err = proc.communicate(timeout=100)
+        assert proc.returncode == 0, err
+        assert f"rank 0 world 2 sum 3.0 args ['{i}']" in out
+
+
+def test_direct_failure_is_reported_in_one_line_with_the_full_output_in_the_node_log(tmp_path: Path) -> None:
+    job = tmp_path / "fail.py"
+    job.write_text(
+        "import os, sys\nif os.environ['LOCAL_RANK'] == '1':\n    raise ValueError('no such shard: x.bin')\n"
+    )
+    env = job_env({"PATH": "/usr/bin:/bin"})
+    del env["OMP_NUM_THREADS"]  # torchrun's banner about it is printed only when it is unset
+    res = launch(["direct", "--", "--script", str(job)], cwd=tmp_path, env=env)
+    assert res.returncode == 1
+    [log] = (tmp_path / "logs").glob("*-node0.log")
+    [report] = [line for line in res.stderr.splitlines() if " ERROR " in line]
+    assert report.endswith(
+        f"rank 1 failed first with exit code 1: ValueError: no such shard: x.bin (full output: {log})"
+    )
+    for noise in ("ChildFailedError", "OMP_NUM_THREADS", "Root Cause"):
+        assert noise not in res.stdout + res.stderr
+    text = log.read_text()
+    assert "ChildFailedError" in text and "ValueError: no such shard" in text
+    assert "OMP_NUM_THREADS" not in text

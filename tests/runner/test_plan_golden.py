@@ -20,6 +20,11 @@ SEED = [
     "--moe_router_force_load_balancing_type", "uniform", "--enable_primus_turbo", "True",
     "--use_turbo_mega_moe", "True", "--mock_data", "True",
 ]  # fmt: skip
+PREPARE_DATA = [
+    "train", "prepare-data", "--input", "corpus.jsonl", "--output-prefix", "data/corpus",
+    "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "tok/", "--json-keys", "text",
+    "--append-eod", "--workers", "2",
+]  # fmt: skip
 CASES = {
     "direct_train": ("direct", ["--", *SEED]),
     "container_train": ("container", ["--image", "img:1", "--", *SEED]),
@@ -29,6 +34,11 @@ CASES = {
         ["srun", "--nodes=2", "-p", "debug", "--", "direct", "--", "--script", "a.py", "x"],
     ),
     "slurm_sbatch_train": ("slurm", ["sbatch", "--nodes", "2", "--", "direct", "--", *SEED]),
+    "direct_prepare_data": ("direct", ["--", *PREPARE_DATA]),
+    "slurm_srun_container_prepare_data": (
+        "slurm",
+        ["srun", "-p", "cpu", "--", "container", "--", *PREPARE_DATA],
+    ),
 }
 
 
