@@ -109,10 +109,10 @@ def check_settings(s: PrepareSettings) -> None:
 
 def prepare(s: PrepareSettings, *, progress: IO[str] = sys.stderr) -> PrepareSummary:
     """Tokenize every input into one indexed dataset per JSON key; returns what was written."""
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
     global _worker_tokenizer
     check_settings(s)
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
     started = time.perf_counter()
     tokenizer = tokenizers.build_tokenizer(s.tokenizer_type, s.tokenizer_model, s.vocab_size)
     eod = tokenizers.end_of_document_id(tokenizer, s.tokenizer_model) if s.append_eod else None

@@ -17,6 +17,7 @@ from megamoe.train.validate import plan_run
 ROOT = Path(__file__).resolve().parents[2]
 DSV3 = ROOT / "examples/megatron/configs/MI355X/deepseek_v3-BF16-pretrain.yaml"
 CPU_DEMO = ROOT / "examples/megatron/configs/cpu/moe_tiny-pretrain.yaml"
+CPU_MOCK = ROOT / "examples/megatron/configs/cpu/moe_tiny-mock-pretrain.yaml"
 CPU_PP2 = ROOT / "examples/megatron/configs/cpu/moe_tiny-pp2-pretrain.yaml"
 
 # The three seed jobs' flags (docs of Primus's MegaMoE), exactly as the scripts in examples/ pass them.
@@ -83,11 +84,12 @@ def test_packaged_model_presets_build_a_transformer_config(model: str) -> None:
     assert tconfig.num_moe_experts == cfg.moe.num_experts
 
 
-@pytest.mark.parametrize(("path", "world"), [(CPU_DEMO, 2), (CPU_PP2, 2)])
-def test_cpu_demo_configs_validate_on_two_cpu_ranks(path: Path, world: int) -> None:
-    cfg = resolve_config(path, [], environ={}).config
-    plan_run(cfg, world_size=world, has_cuda=False)
-    assert cfg.training.train_iters == 20 and cfg.turbo.use_turbo_mega_moe
+@pytest.mark.parametrize(("path", "iters"), [(CPU_DEMO, 40), (CPU_MOCK, 20), (CPU_PP2, 20)])
+def test_cpu_demo_configs_validate_on_two_cpu_ranks(path: Path, iters: int, demo_data: Path) -> None:
+    cfg = resolve_config(path, [], environ={"PRIMUS_DATA_DIR": str(demo_data)}).config
+    plan_run(cfg, world_size=2, has_cuda=False)
+    assert cfg.training.train_iters == iters and cfg.turbo.use_turbo_mega_moe
+    assert cfg.data.mock_data == (path != CPU_DEMO)
 
 
 def test_export_config_round_trips_to_the_same_settings(tmp_path: Path) -> None:
@@ -103,7 +105,7 @@ def test_cli_dry_run_prints_effective_config_and_writes_export(tmp_path: Path) -
     out = tmp_path / "sub" / "cfg.yaml"
     result = CliRunner().invoke(
         cli,
-        ["pretrain", "--config", str(CPU_DEMO), "--export_config", str(out), "--dry-run", "--lr", "1e-3"],
+        ["pretrain", "--config", str(CPU_MOCK), "--export_config", str(out), "--dry-run", "--lr", "1e-3"],
         env={"WORLD_SIZE": "2"},
     )
     assert result.exit_code == 0, result.output

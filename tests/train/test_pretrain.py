@@ -1,5 +1,6 @@
-"""Real 2-rank training on CPU through the real entry (torchrun, gloo): EP=2, PP=2, MegaMoE vs
-megatron's MoELayer, kill after a checkpoint and resume, and start-up failures before any step.
+"""Real 2-rank training on CPU through the real entry (torchrun, gloo): the real-text demo with
+validation and TensorBoard, EP=2, PP=2, MegaMoE vs megatron's MoELayer, kill after a checkpoint and
+resume (mock and real data), and start-up failures before any step.
 
 Each run is a fresh `python -m torch.distributed.run --standalone --nproc_per_node 2 -m megamoe.train`;
 per-iteration numbers come from the run's ``training_log.jsonl``.
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples/megatron/configs/cpu/moe_tiny-pretrain.yaml"
+MOCK = ROOT / "examples/megatron/configs/cpu/moe_tiny-mock-pretrain.yaml"
 DEMO_PP2 = ROOT / "examples/megatron/configs/cpu/moe_tiny-pp2-pretrain.yaml"
 DSV3 = ROOT / "examples/megatron/configs/MI355X/deepseek_v3-BF16-pretrain.yaml"
 
@@ -57,23 +61,60 @@ def train(
     return proc
 
 
-def history(workspace: Path, exp_name: str) -> dict[int, dict]:
-    """iteration -> the last record written for it (a resumed run rewrites the ones after its checkpoint)."""
+def history(workspace: Path, exp_name: str, event: str = "train") -> dict[int, dict]:
+    """iteration -> the last ``event`` record written for it (a resumed run rewrites the ones after its
+    checkpoint)."""
     path = next(workspace.glob(f"*/*/{exp_name}/training_log.jsonl"))
-    return {r["iteration"]: r for r in map(json.loads, path.read_text().splitlines())}
+    records = map(json.loads, path.read_text().splitlines())
+    return {r["iteration"]: r for r in records if r["event"] == event}
 
 
-def test_pretrain_ep2_demo_trains_20_iterations_with_loss_going_down(tmp_path: Path) -> None:
+def _losses(workspace: Path, exp_name: str = "moe_tiny-mock-pretrain") -> list[float]:
+    return [r["lm_loss"] for _, r in sorted(history(workspace, exp_name).items())]
+
+
+def test_real_text_demo_trains_with_validation_loss_going_down(tmp_path: Path, demo_data: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     started = time.monotonic()
-    proc = train(DEMO, tmp_path)
+    proc = train(
+        DEMO, tmp_path, "--tensorboard_dir", str(tmp_path / "tb"), env=_env(PRIMUS_DATA_DIR=str(demo_data))
+    )
     elapsed = time.monotonic() - started
-    losses = [r["lm_loss"] for _, r in sorted(history(tmp_path, "moe_tiny-pretrain").items())]
-    assert len(losses) == 20
-    assert losses[-1] < 0.7 * losses[0], losses
-    assert "MoE block: MegaMoE" in proc.stderr
-    assert "20/20" in proc.stderr  # the rank-0 progress bar
-    assert "summary: trained iterations 1..20" in proc.stderr
+    losses = _losses(tmp_path, "moe_tiny-pretrain")
+    valid = {it: r["lm_loss"] for it, r in history(tmp_path, "moe_tiny-pretrain", "valid").items()}
+    assert len(losses) == 40 and losses[-1] < losses[0] - 1.0, losses
+    assert sorted(valid) == [10, 20, 30, 40] and valid[40] < valid[10] - 0.3, valid
+    assert history(tmp_path, "moe_tiny-pretrain", "test"), "the test split is evaluated once at the end"
+    assert "MoE block: MegaMoE" in proc.stderr and "validation loss at iteration 40 | lm loss" in proc.stderr
+    assert re.search(
+        r"summary: trained iterations 1\.\.40 \|.*\| validation loss [\d.]+ \(ppl [\d.]+\) \| test loss",
+        proc.stderr,
+    )
+    assert not re.search(r"train: +\d+%", proc.stderr)  # no progress bar off a terminal, a line per log_interval
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("lm loss validation")] == [10, 20, 30, 40]
+    assert len(events.Scalars("lm loss")) == 40 and events.Scalars("grad-norm")
     assert elapsed < 120, f"the demo took {elapsed:.0f} s on this machine"
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(("--pipeline_model_parallel_size", "2", "--expert_model_parallel_size", "1",
+                      "--micro_batch_size", "2", "--global_batch_size", "8"), id="pp2-megamoe"),
+        pytest.param(("--use_turbo_mega_moe", "false",), id="ep2-megatron-moelayer"),
+    ],
+)  # fmt: skip
+def test_evaluation_on_real_text_with_pp2_and_with_megatron_moelayer(
+    tmp_path: Path, demo_data: Path, layout: tuple
+) -> None:
+    train(DEMO, tmp_path, *layout, "--train_iters", "4", "--eval_interval", "2", "--eval_iters", "1",
+          "--disable_last_saving", "true", env=_env(PRIMUS_DATA_DIR=str(demo_data)))  # fmt: skip
+    valid = history(tmp_path, "moe_tiny-pretrain", "valid")
+    assert sorted(valid) == [2, 4] and all(math.isfinite(r["lm_loss"]) for r in valid.values())
+    assert valid[4]["lm_loss"] < valid[2]["lm_loss"]
 
 
 def test_pretrain_pp2_1f1b_loss_goes_down(tmp_path: Path) -> None:
@@ -110,18 +151,18 @@ def test_pretrain_pp2_with_two_virtual_stages_per_rank_loss_goes_down(tmp_path: 
 
 
 def test_megamoe_mxfp8_experts_train(tmp_path: Path) -> None:
-    proc = train(DEMO, tmp_path, "--turbo_mega_moe_precision", "mxfp8", "--train_iters", "6", "--progress_bar",
+    proc = train(MOCK, tmp_path, "--turbo_mega_moe_precision", "mxfp8", "--train_iters", "6", "--progress_bar",
                  "false", "--disable_last_saving", "true")  # fmt: skip
-    losses = [r["lm_loss"] for _, r in sorted(history(tmp_path, "moe_tiny-pretrain").items())]
+    losses = _losses(tmp_path)
     assert len(losses) == 6 and losses[-1] < 0.85 * losses[0], losses
     assert "precision=mxfp8" in proc.stderr
 
 
 def test_dense_model_trains_with_tensor_parallelism(tmp_path: Path) -> None:
-    proc = train(DEMO, tmp_path, "--num_experts", "null", "--moe_layer_freq", "1", "--tensor_model_parallel_size",
+    proc = train(MOCK, tmp_path, "--num_experts", "null", "--moe_layer_freq", "1", "--tensor_model_parallel_size",
                  "2", "--expert_model_parallel_size", "1", "--global_batch_size", "8", "--train_iters", "6",
                  "--progress_bar", "false", "--disable_last_saving", "true")  # fmt: skip
-    losses = [r["lm_loss"] for _, r in sorted(history(tmp_path, "moe_tiny-pretrain").items())]
+    losses = _losses(tmp_path)
     assert len(losses) == 6 and losses[-1] < 0.9 * losses[0], losses
     assert "TP=2" in proc.stderr and "the model has no MoE layers" in proc.stderr
 
@@ -141,9 +182,9 @@ def test_megamoe_and_megatron_moelayer_give_the_same_first_losses(tmp_path: Path
     runs = {}
     for switch in ("true", "false"):
         workspace = tmp_path / switch
-        train(DEMO, workspace, "--train_iters", "3", "--use_turbo_mega_moe", switch, "--progress_bar", "false",
+        train(MOCK, workspace, "--train_iters", "3", "--use_turbo_mega_moe", switch, "--progress_bar", "false",
               "--disable_last_saving", "true", *routing)  # fmt: skip
-        runs[switch] = history(workspace, "moe_tiny-pretrain")
+        runs[switch] = history(workspace, "moe_tiny-mock-pretrain")
     for it in (1, 2, 3):
         mega, megatron = runs["true"][it], runs["false"][it]
         assert mega["lm_loss"] == pytest.approx(megatron["lm_loss"], rel=1e-5), it
@@ -164,10 +205,12 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(family, timeout=30)
 
 
-def _kill_after_first_checkpoint(workspace: Path, argv: tuple[str, ...]) -> int:
+def _kill_after_first_checkpoint(
+    config: Path, workspace: Path, argv: tuple[str, ...], env: dict[str, str]
+) -> int:
     """Start a run and SIGKILL every process of it once a checkpoint is published; its iteration."""
     proc = subprocess.Popen(
-        _command(DEMO, workspace, argv), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+        _command(config, workspace, argv), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.monotonic() + 150
@@ -191,6 +234,8 @@ def _kill_after_first_checkpoint(workspace: Path, argv: tuple[str, ...]) -> int:
             ("--moe_router_force_load_balancing", "true", "--moe_router_force_load_balancing_type", "uniform"),
             id="megamoe-distributed-optimizer-uniform-routing",  # random router logits: RNG state restored
         ),
+        pytest.param(("--mock_data", "false", "--eval_interval", "2", "--eval_iters", "1"),
+                     id="megamoe-real-text-with-evaluation"),
         pytest.param(("--use_turbo_mega_moe", "false", "--use_distributed_optimizer", "false",
                       "--overlap_param_gather", "false"), id="moelayer-plain-optimizer"),
         pytest.param(("--use_distributed_optimizer", "false", "--overlap_param_gather", "false"),
@@ -198,27 +243,36 @@ def _kill_after_first_checkpoint(workspace: Path, argv: tuple[str, ...]) -> int:
     ],
 )  # fmt: skip
 def test_killed_run_resumes_from_its_checkpoint_on_the_uninterrupted_curve(
-    tmp_path: Path, extra: tuple
+    tmp_path: Path, extra: tuple, demo_data: Path
 ) -> None:
+    """Mock data, or the real text (``--mock_data false`` over the demo config, whose data and
+    validation set come from the prepared corpus): the resumed run reads the same samples."""
+    real = "--mock_data" in extra
+    config, exp = (DEMO, "moe_tiny-pretrain") if real else (MOCK, "moe_tiny-mock-pretrain")
+    env = _env(PRIMUS_DATA_DIR=str(demo_data))
     argv = ("--train_iters", "6", "--save_interval", "3", "--auto_continue_train", "true", "--progress_bar", "false",
             *extra)  # fmt: skip
-    train(DEMO, tmp_path / "whole", *argv)
-    killed_at = _kill_after_first_checkpoint(tmp_path / "killed", argv)
+    train(config, tmp_path / "whole", *argv, env=env)
+    killed_at = _kill_after_first_checkpoint(config, tmp_path / "killed", argv, env)
     assert killed_at == 3
-    proc = train(DEMO, tmp_path / "killed", *argv)
+    proc = train(config, tmp_path / "killed", *argv, env=env)
     assert "resumed from" in proc.stderr and "iteration 3" in proc.stderr
-    whole, resumed = (
-        history(tmp_path / "whole", "moe_tiny-pretrain"),
-        history(tmp_path / "killed", "moe_tiny-pretrain"),
-    )
-    for it in (4, 5, 6):
-        for key in ("lm_loss", "grad_norm", "lr"):
-            assert resumed[it][key] == pytest.approx(whole[it][key], rel=1e-6, abs=1e-9), (it, key)
+    for event, keys in (("train", ("lm_loss", "grad_norm", "lr")), ("valid", ("lm_loss",))):
+        whole, resumed = history(tmp_path / "whole", exp, event), history(tmp_path / "killed", exp, event)
+        for it in (4, 5, 6):
+            if event == "valid" and it not in whole:
+                continue
+            for key in keys:
+                assert resumed[it][key] == pytest.approx(whole[it][key], rel=1e-6, abs=1e-9), (event, it, key)
+    if real:
+        log = next((tmp_path / "killed").glob("*/*/*/training_log.jsonl")).read_text().splitlines()
+        starts = [json.loads(line) for line in log if '"run_start"' in line]
+        assert [r["start_iteration"] for r in starts] == [0, 3], "each launch is marked in the log"
 
 
 def test_megamoe_setting_it_cannot_honour_fails_before_any_step(tmp_path: Path) -> None:
     proc = subprocess.run(
-        _command(DEMO, tmp_path, ("--moe_router_load_balancing_type", "seq_aux_loss")),
+        _command(MOCK, tmp_path, ("--moe_router_load_balancing_type", "seq_aux_loss")),
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0

@@ -11,22 +11,23 @@ from megamoe.errors import InvalidConfigError, UnsupportedSettingError
 from megamoe.train.config import resolve_config
 from megamoe.train.validate import plan_run
 
-CPU_DEMO = Path(__file__).resolve().parents[2] / "examples/megatron/configs/cpu/moe_tiny-pretrain.yaml"
+CONFIGS = Path(__file__).resolve().parents[2] / "examples/megatron/configs/cpu"
+MOCK = CONFIGS / "moe_tiny-mock-pretrain.yaml"
+REAL_TEXT = CONFIGS / "moe_tiny-pretrain.yaml"
 
 
-def _plan(argv: list[str], *, world: int = 2, has_cuda: bool = False):
-    return plan_run(resolve_config(CPU_DEMO, argv, environ={}).config, world_size=world, has_cuda=has_cuda)
+def _plan(argv: list[str], *, world: int = 2, has_cuda: bool = False, config: Path = MOCK, environ=None):
+    resolved = resolve_config(config, argv, environ=environ or {})
+    return plan_run(resolved.config, world_size=world, has_cuda=has_cuda)
 
 
 @pytest.mark.parametrize(
     ("argv", "has_cuda", "setting"),
     [
-        (["--mock_data", "false"], False, "mock_data"),
         (["--ckpt_format", "torch"], False, "ckpt_format"),
         (["--async_save", "true"], False, "async_save"),
         (["--fp8", "hybrid"], True, "fp8"),
         (["--recompute_layer_ids", "0,3"], True, "recompute_layer_ids"),
-        (["--eval_iters", "5"], False, "eval_iters"),
         (["--context_parallel_size", "2"], True, "context_parallel_size"),
         (["--moe_token_dispatcher_type", "flex"], True, "moe_token_dispatcher_type"),
         (["--moe_grouped_gemm", "true"], True, "moe_grouped_gemm"),
@@ -70,13 +71,81 @@ def test_inconsistent_setting_fails_with_its_name(argv: list[str], world: int, s
 def test_plan_derives_batch_geometry_and_checkpoint_folders() -> None:
     plan = _plan(["--workspace", "/w", "--global_batch_size", "32"])
     assert (plan.data_parallel_size, plan.num_microbatches, plan.global_batch_size) == (2, 4, 32)
-    assert plan.save_dir == plan.load_dir == Path("/w/megamoe/demo/moe_tiny-pretrain/checkpoints")
+    assert plan.save_dir == plan.load_dir == Path("/w/megamoe/demo/moe_tiny-mock-pretrain/checkpoints")
+    assert plan.data_cache_dir == Path("/w/data_cache")
 
 
-def test_plan_notes_primus_kernel_hints_it_ignores() -> None:
+def test_plan_notes_primus_kernel_hints_it_ignores_and_a_missing_wandb(monkeypatch) -> None:
+    import megamoe.train.validate as validate
+
+    monkeypatch.setattr(validate, "_installed", lambda module: module != "wandb")
     plan = _plan(["--use_turbo_deepep", "true", "--moe_permute_fusion", "true", "--wandb_project", "p"])
     assert "use_turbo_deepep=True, moe_permute_fusion=True" in plan.notes[0]
-    assert "wandb_project" in plan.notes[1]
+    assert (
+        plan.notes[1].startswith("wandb_project='p': wandb is not installed")
+        and "pip install wandb" in plan.notes[1]
+    )
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "match"),
+    [
+        ("micro_batch_size", "0", "must be >= 1"),
+        ("global_batch_size", "0", "must be >= 1"),
+        ("seq_length", "-5", "must be >= 1"),
+        ("hidden_size", "0", "must be >= 1"),
+        ("num_experts", "0", "must be >= 1"),
+        ("moe_router_topk", "0", "must be >= 1"),
+        ("moe_router_topk", "9", "more than num_experts=8"),
+        ("log_interval", "0", "must be >= 1"),
+        ("save_interval", "0", "must be >= 1"),
+        ("eval_interval", "0", "must be >= 1"),
+        ("eval_iters", "-1", "must be >= 0"),
+        ("lr", "-1", "must be >= 0"),
+        ("min_lr", "1.0", "above lr"),
+        ("clip_grad", "-1", "must be >= 0"),
+        ("hidden_dropout", "1.5", "must satisfy 0 <= value <= 1"),
+        ("adam_beta2", "1.0", "must satisfy 0 <= value < 1"),
+        ("expert_model_parallel_size", "0", "must be >= 1"),
+    ],
+)
+def test_numeric_settings_out_of_range_fail_with_name_value_and_range(
+    setting: str, value: str, match: str
+) -> None:
+    with pytest.raises(InvalidConfigError, match=rf"^{setting}={value!s}.*: {match}"):
+        _plan([f"--{setting}", value])
+
+
+def test_real_text_demo_plans_when_its_data_is_there(demo_data: Path) -> None:
+    plan = _plan([], config=REAL_TEXT, environ={"PRIMUS_DATA_DIR": str(demo_data)})
+    assert plan.global_batch_size == 16
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--data_path", "null"], r"^data_path=None: mock_data is false but no data is given"),
+        (
+            ["--data_path", "{d}/nothing_text_document"],
+            r"nothing_text_document.bin and nothing_text_document.idx missing in ",
+        ),
+        (
+            ["--data_path", "{d}/pydoc_text_document", "--train_data_path", "x"],
+            "given together with train_data_path",
+        ),
+        (["--data_path", "0.5 {d}/pydoc_text_document 0.5"], "a weight before every prefix"),
+        (["--data_path", "0 {d}/pydoc_text_document"], "sum to more than 0"),
+        (["--split", "1,2,3,4"], r"^split='1,2,3,4'"),
+        (["--tokenizer_model", "{d}"], "the directory holds no tokenizer"),
+        (["--tokenizer_type", "GPT2BPETokenizer"], r"^tokenizer_type='GPT2BPETokenizer'"),
+    ],
+)
+def test_bad_real_data_settings_fail_at_start_up_naming_the_file_or_setting(
+    demo_data: Path, argv, match
+) -> None:
+    argv = [a.format(d=demo_data) for a in argv]
+    with pytest.raises((InvalidConfigError, UnsupportedSettingError), match=match):
+        _plan(argv, config=REAL_TEXT, environ={"PRIMUS_DATA_DIR": str(demo_data)})
 
 
 def test_external_cuda_graph_uses_megatron_local_graphs_without_transformer_engine() -> None:
