@@ -1,8 +1,8 @@
 """The command at the end of the chain: what it runs, how many times, and which paths it touches.
 
 `train pretrain ...` and `--script FILE ...` run under torchrun, one process per GPU; any other
-`train <name> ...` (`train prepare-data ...`) runs once, as one plain process, because N copies
-of a data preparation would write the same files at once. A container must see the files the
+`train <name> ...` (`train prepare-data ...`) and any `train ... --help` runs once, as one plain
+process, because N copies of a data preparation would write the same files at once. A container must see the files the
 command reads and the directory it writes: those are named here, from the command's own options.
 """
 
@@ -47,8 +47,11 @@ class Command:
 
     @property
     def distributed(self) -> bool:
-        """True when torchrun starts it once per GPU; False for a command that must run once."""
-        return self.kind == "script" or self.argv[1] in DISTRIBUTED_TRAIN_COMMANDS
+        """True when torchrun starts it once per GPU; False for a command that must run once
+        (`train pretrain --help` too: one copy of the help)."""
+        if self.kind == "script":
+            return True
+        return self.argv[1] in DISTRIBUTED_TRAIN_COMMANDS and not self.asks_for_help()
 
     @property
     def name(self) -> str:

@@ -54,9 +54,9 @@ def _has_cuda(req: Request, host: HostFacts, *, symbolic: bool) -> tuple[bool, s
 def plan_check(
     req: Request, host: HostFacts, ctx: NodeContext, *, symbolic: bool
 ) -> tuple[Preflight | None, list[str]]:
-    """The check for `train pretrain` (None for other commands and `--help`), with warnings."""
+    """The check for `train pretrain` (None for the commands that run once, `--help` included)."""
     cmd = req.command
-    if cmd.kind != "train" or not cmd.distributed or cmd.asks_for_help():
+    if cmd.kind != "train" or not cmd.distributed:
         return None, []
     if not host.trainer_importable:
         return None, [

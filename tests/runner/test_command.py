@@ -20,8 +20,9 @@ PREPARE = [
         (["--script", "a.py"], True),
         (PREPARE, False),
         (["train", "prepare-data", "--help"], False),
+        (["train", "pretrain", "--help"], False),
     ],
-    ids=["pretrain", "script", "prepare-data", "help"],
+    ids=["pretrain", "script", "prepare-data", "help", "pretrain-help"],
 )
 def test_command_only_pretrain_and_scripts_run_once_per_gpu(tokens: list[str], distributed: bool) -> None:
     assert parse_command(tokens).distributed is distributed
