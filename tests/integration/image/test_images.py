@@ -81,7 +81,7 @@ def test_cpu_image_has_cpu_torch_this_package_and_the_demo(
         text=True,
         check=True,
     )
-    assert "examples/megatron/configs/cpu/moe_tiny-pretrain.yaml" in inspect.stdout
+    assert "examples/megatron/configs/cpu/moe_tiny-mock-pretrain.yaml" in inspect.stdout
     plan = _in_image(container_env, cpu_image, "primus-cli", "--dry-run", "direct", "--", "--script", "x.py")
     assert "00_rebuild_primus_turbo.sh  [dry-run-ok]  (/opt/megamoe/hooks/00_rebuild_primus_turbo.sh)" in plan
     assert "--nproc-per-node 2" in plan  # the image's .primus.yaml: 2 CPU ranks
