@@ -66,7 +66,9 @@ def main() -> None:
             f.write(json.dumps({"text": text}) + "\n")
     partial.replace(corpus)
     train_tokenizer(texts, args.vocab_size, args.output / "tokenizer")
-    print(f"{len(texts)} documents, {corpus.stat().st_size / 2**20:.2f} MB -> {corpus}; tokenizer -> {args.output / 'tokenizer'}")
+    print(
+        f"{len(texts)} documents, {corpus.stat().st_size / 2**20:.2f} MB -> {corpus}; tokenizer -> {args.output / 'tokenizer'}"
+    )
 
 
 if __name__ == "__main__":
