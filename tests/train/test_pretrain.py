@@ -91,7 +91,9 @@ def test_real_text_demo_trains_with_validation_loss_going_down(tmp_path: Path, d
         r"summary: trained iterations 1\.\.40 \|.*\| validation loss [\d.]+ \(ppl [\d.]+\) \| test loss",
         proc.stderr,
     )
-    assert not re.search(r"train: +\d+%", proc.stderr)  # no progress bar off a terminal, a line per log_interval
+    assert not re.search(
+        r"train: +\d+%", proc.stderr
+    )  # no progress bar off a terminal, a line per log_interval
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert [e.step for e in events.Scalars("lm loss validation")] == [10, 20, 30, 40]
