@@ -27,8 +27,8 @@ CMD_HELP = """
   train <other> [args ...]                          run once as one process (train prepare-data ...)
   --script FILE [args ...]                          any script under torchrun
 \b
-Every mode also takes --dry-run (run the preflight, print the plan, run nothing else), --plan-json (the plan as JSON),
---debug and --config FILE (launcher config) before <cmd>.
+Every mode also takes --dry-run (run the preflight, print the plan, run nothing else),
+--plan-json (the plan as JSON), --debug and --config FILE (launcher config) before <cmd>.
 """
 
 
@@ -135,7 +135,7 @@ USAGES = {
     "slurm": "[srun|sbatch] [SLURM FLAGS] -- [container|direct] [OPTIONS] [--] <cmd>",
 }
 HELPS = {
-    "direct": """Run <cmd> under torchrun on this node (hooks first; `train <other>` runs once, without torchrun).
+    "direct": """Run <cmd> under torchrun on this node, hooks first (`train <other>` runs once, without it).
 
     \b
     direct options:

@@ -216,7 +216,7 @@ def _hook_failure(name: str, what: str, tail: list[str]) -> str:
     )
 
 
-# --------------------------------------------------------------------------- torchrun
+# --------------------------------------------------------------------------- preflight, one process
 
 
 def run_preflight(check: Preflight, env: Mapping[str, str], cwd: str) -> dict[str, Any] | None:
@@ -248,6 +248,9 @@ def run_python(plan: LaunchPlan, step: Step, req: Request, env: Mapping[str, str
     out = run_hooks(plan.hooks, env, req.config.hooks.timeout_s, step.argv[0])
     logger.info("%s: one process on this node", req.command.name)
     return run_passthrough([*step.argv, *out.extra], {**env, **out.env})
+
+
+# --------------------------------------------------------------------------- torchrun
 
 
 def _torchrun_env(env: Mapping[str, str], exported: Mapping[str, str], ctx: NodeContext) -> dict[str, str]:

@@ -3,8 +3,8 @@
 A plan lists the trainer's config check that runs first (the preflight), its steps outermost first
 (sbatch or srun, then the container, then torchrun, or a plain python for a command that runs
 once), the hooks that run before the command, the names of forwarded variables (never their
-values) and warnings. `str(plan)` is the dry-run text, `to_dict()` the `--plan-json` payload. Values that are
-only known on each node (its rank, the job id) appear as `<NAME>` placeholders.
+values) and warnings. `str(plan)` is the dry-run text, `to_dict()` the `--plan-json` payload.
+Values that are only known on each node (its rank, the job id) appear as `<NAME>` placeholders.
 """
 
 from __future__ import annotations
@@ -67,8 +67,12 @@ class Preflight:
     """What was assumed or guessed because this host cannot know it (said with a failure too)."""
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"argv": list(self.argv), "world_size": self.world_size, "basis": self.basis}
-        return {**out, "assumed": self.assumed}
+        return {
+            "argv": list(self.argv),
+            "world_size": self.world_size,
+            "basis": self.basis,
+            "assumed": self.assumed,
+        }
 
     def describe(self) -> str:
         assumed = f"; assumed: {self.assumed}" if self.assumed else ""

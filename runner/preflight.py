@@ -83,4 +83,5 @@ def conclude(check: Preflight, verdict: dict[str, Any] | None, req: Request) -> 
     if not verdict.get("ok"):
         assumed = f" (checked for world size {check.world_size}: {check.assumed})" if check.assumed else ""
         raise ConfigError(f"{verdict.get('error')}{assumed}")
-    return replace(req, run_dir=str(Path(req.cwd) / verdict["output_dir"]))
+    output_dir = verdict.get("output_dir")
+    return replace(req, run_dir=str(Path(req.cwd) / output_dir)) if output_dir else req
