@@ -7,8 +7,8 @@ node, different between jobs). Outside Slurm they come from the environment, the
 config, with 1 node, rank 0, localhost; with no port given, one node gets a free port (two jobs
 on one node never collide) and several nodes get 1234, which all of them can know. On one node a
 given port that is already taken is an error before torchrun starts. `--nproc-per-node` is
-GPUS_PER_NODE, else `direct.gpus_per_node`, else the visible GPUs, else 1; a dry run says when it
-was read off this host.
+GPUS_PER_NODE, else `direct.gpus_per_node`, else (from a Slurm submit host) the job's
+`--gpus-per-node`, else the visible GPUs, else 1; a dry run says when it was read off this host.
 """
 
 from __future__ import annotations
@@ -68,10 +68,15 @@ MULTI_NODE_PORT = "1234"
 FREE_PORT = "<FREE_PORT>"
 
 
-def _nproc(req: Request, host: HostFacts) -> tuple[str, str | None]:
-    """(processes per node, the note saying it was guessed from this host when nobody set it)."""
+def _nproc(req: Request, host: HostFacts, *, symbolic_slurm: bool) -> tuple[str, str | None]:
+    """(processes per node, the note saying it was guessed from this host when nobody set it).
+
+    From a Slurm submit host, the job's own `--gpus-per-node [type:]N` says it before this host does.
+    """
     configured = req.config.direct.gpus_per_node
     nproc = host.env.get("GPUS_PER_NODE") or (str(configured) if configured else "")
+    slurm_gpus = dict(req.slurm_flags).get("gpus-per-node") if symbolic_slurm else None
+    nproc = nproc or (slurm_gpus.rsplit(":", 1)[-1] if slurm_gpus else "")
     if nproc:
         if _int("GPUS_PER_NODE", nproc, "Set it to the number of processes per node.") < 1:
             raise ConfigError(f"GPUS_PER_NODE={nproc}: must be at least 1.")
@@ -88,7 +93,7 @@ def node_context(
     """Derive and check this node's rendezvous settings; return them with warnings."""
     env, cfg = host.env, req.config
     warnings: list[str] = []
-    nproc, guess = _nproc(req, host)
+    nproc, guess = _nproc(req, host, symbolic_slurm=symbolic_slurm)
     guesses = (guess,) if guess and req.command.distributed else ()
     if dry_run:
         warnings += guesses

@@ -46,8 +46,9 @@ def test_preflight_on_a_cpu_host_checks_without_cuda_and_says_nproc_was_guessed(
         (["srun"], {"GPUS_PER_NODE": "8", "SLURM_NNODES": "3"}, 24, "3 nodes from this allocation's SLURM_NNODES"),
         (["sbatch"], {"GPUS_PER_NODE": "8"}, 8, "1 node, Slurm's default (no -N)"),
         (["srun", "-N", "2"], {}, 16, "nproc-per-node=8 guessed from this host (8 GPUs visible)"),
+        (["srun", "-N", "2", "--gpus-per-node=mi300x:4"], {}, 8, ""),
     ],
-    ids=["known", "allocation", "default-node", "guessed-nproc"],
+    ids=["known", "allocation", "default-node", "guessed-nproc", "slurm-gpus"],
 )  # fmt: skip
 def test_preflight_from_a_submit_host_uses_what_is_known_and_says_what_it_assumed(
     slurm: list[str], env: dict[str, str], world: int, assumed: str
