@@ -37,9 +37,9 @@ $(DEMO_DATA)/pydoc_text_document.idx: examples/data/make_demo_corpus.py | $(VENV
 
 demo-data: $(DEMO_DATA)/pydoc_text_document.idx  ## prepare the demo's corpus, tokenizer and dataset (once)
 
-demo: $(DEMO_DATA)/pydoc_text_document.idx  ## the main job: train a tiny MoE with MegaMoE on real text, 2 CPU ranks
+demo: $(DEMO_DATA)/pydoc_text_document.idx  ## the main job: train a tiny MoE with MegaMoE on real text, 2 CPU ranks (afresh each time)
 	PRIMUS_DATA_DIR=$(DEMO_DATA) GPUS_PER_NODE=$${GPUS_PER_NODE:-2} $(VENV)/bin/primus-cli direct -- \
-	  train pretrain --config examples/megatron/configs/cpu/moe_tiny-pretrain.yaml
+	  train pretrain --config examples/megatron/configs/cpu/moe_tiny-pretrain.yaml --overwrite_checkpoints True
 
 lint: $(VENV)/.stamp  ## ruff
 	$(PY) -m ruff check .

@@ -22,6 +22,11 @@ class MegaMoEError(Exception):
             message += f" {remedy.rstrip('.')}."
         super().__init__(message)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle by fields (the default re-calls ``__init__`` with the message alone): errors travel
+        between ranks and processes."""
+        return (type(self), (self.setting, self.value, self.problem, self.remedy))
+
 
 class InvalidConfigError(MegaMoEError, ValueError):
     """A value that is wrong (bad shape, out of range, inconsistent with another value)."""

@@ -17,6 +17,7 @@ from megamoe.train import tokenizer as tokenizers
 from megamoe.train.config import resolve_config
 from megamoe.train.logs import setup_logging
 from megamoe.train.preflight import check
+from megamoe.train.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Interrupted, Preempted
 from megamoe.train.validate import plan_run
 
 logger = logging.getLogger("megamoe.train")
@@ -86,6 +87,10 @@ def pretrain(config: Path, export_config: Path | None, dry_run: bool, overrides:
         run(cfg, environ)
     except MegaMoEError as e:
         _fail(e)
+    except (Preempted, Interrupted) as e:
+        if info.rank == 0:
+            logger.warning("%s", e)
+        sys.exit(PREEMPTED_EXIT_CODE if isinstance(e, Preempted) else INTERRUPTED_EXIT_CODE)
 
 
 def _split_list(values: tuple[str, ...]) -> tuple[str, ...]:

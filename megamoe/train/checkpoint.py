@@ -4,12 +4,21 @@ Layout, as Megatron writes it: ``<dir>/iter_0000020/`` (one sharded checkpoint: 
 optimizer, LR scheduler, iteration, per-rank RNG states) and ``<dir>/latest_checkpointed_iteration.txt``,
 written by rank 0 only after every rank has finished, so a run killed mid-save resumes from the
 previous complete checkpoint. Data needs no state: batches are addressed by iteration (``data.py``).
+
+Each checkpoint also holds the run's resolved ``config.yaml`` and a ``manifest.json`` (every file's
+size, the parallel layout, the vocabulary), written last. On resume the newest checkpoint whose files
+match its manifest is used: a truncated or missing file is reported by name, and the run falls back
+to the checkpoint before it (``strict_resume`` stops instead). A layout or model shape that differs
+from the checkpoint's is reported by setting before anything is read.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
+import re
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +31,9 @@ from megamoe.errors import InvalidConfigError
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "manifest.json"
+CONFIG = "config.yaml"
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
 """Optimizer-state layout: each rank's distributed-optimizer buffers as they are (fully parallel I/O,
 reshardable over DP only). megatron-core 0.16's default, ``fully_sharded_model_space``, builds
@@ -30,6 +42,131 @@ reshardable over DP only). megatron-core 0.16's default, ``fully_sharded_model_s
 
 def iteration_dir(root: Path, iteration: int) -> Path:
     return root / f"iter_{iteration:07d}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Facts:
+    """What a checkpoint's shards depend on, recorded in its manifest and checked on resume."""
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    expert_model_parallel_size: int
+    data_parallel_size: int
+    vocab_size: int
+    """The embedding's rows before padding."""
+    model: dict[str, Any]
+    """The settings that give the parameters their shapes."""
+
+
+SHAPE_SETTINGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "group_query_attention", "kv_channels", "make_vocab_size_divisible_by", "swiglu", "add_bias_linear",
+    "add_qkv_bias", "qk_layernorm", "normalization", "untie_embeddings_and_output_weights",
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+    "v_head_dim", "mtp_num_layers", "num_experts", "moe_layer_freq", "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+)  # fmt: skip
+
+
+def _checkpoint_dirs(root: Path, up_to: int) -> list[tuple[int, Path]]:
+    """``iter_*`` folders under ``root`` up to iteration ``up_to``, newest first."""
+    found = []
+    for child in root.iterdir() if root.is_dir() else ():
+        match = _ITER_DIR.match(child.name)
+        if match and child.is_dir() and int(match.group(1)) <= up_to:
+            found.append((int(match.group(1)), child))
+    return sorted(found, reverse=True)
+
+
+def problem_with(folder: Path) -> str | None:
+    """Why the checkpoint in ``folder`` cannot be read back whole, naming the file; None if it can.
+
+    A checkpoint without a manifest (written before manifests existed) is taken as it is."""
+    manifest = folder / MANIFEST
+    if not folder.is_dir():
+        return "the folder is missing"
+    if not manifest.is_file():
+        return None
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{name} is {actual:,} bytes but was written with {size:,} (truncated or overwritten)"
+    return None
+
+
+def _saved_facts(folder: Path) -> Facts | None:
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return None
+    facts = json.loads(manifest.read_text()).get("facts")
+    return Facts(**facts) if facts else None
+
+
+def _write_manifest(folder: Path, facts: Facts) -> None:
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"files": files, "facts": asdict(facts)}, indent=1) + "\n")
+    tmp.replace(folder / MANIFEST)
+
+
+def check_compatible(saved: Facts, current: Facts, folder: Path, *, with_optimizer: bool) -> None:
+    """Stop, naming the setting, when this run cannot read the checkpoint's shards as they are."""
+    for name in SHAPE_SETTINGS:
+        was, now = saved.model.get(name), current.model.get(name)
+        if was != now:
+            raise InvalidConfigError(
+                name, now, f"the checkpoint in {folder} was written with {name}={was!r}: a different model",
+                f"Resume with {name}={was!r}, or save this model elsewhere (--save DIR or a new --exp_name)",
+            )  # fmt: skip
+    if saved.vocab_size != current.vocab_size:
+        raise InvalidConfigError(
+            "vocab_size", current.vocab_size,
+            f"the checkpoint in {folder} has a vocabulary of {saved.vocab_size} (its tokenizer or vocab_size)",
+            "Use the tokenizer (or vocab_size) the checkpoint was trained with",
+        )  # fmt: skip
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+        was, now = getattr(saved, name), getattr(current, name)
+        if was != now and with_optimizer:
+            raise InvalidConfigError(
+                name, now,
+                f"the checkpoint in {folder} was written with {name}={was}, and its optimizer state is "
+                "sharded by that layout",
+                f"Resume with {name}={was}, or pass --no_load_optim true to load the weights into the new "
+                "layout with a fresh optimizer state",
+            )  # fmt: skip
+
+
+def select_checkpoint(root: Path, *, strict: bool) -> tuple[int | None, list[str]]:
+    """The newest complete checkpoint's iteration under ``root`` (None: none yet) and the warnings
+    about newer ones that are not complete. Raises instead of skipping when ``strict``."""
+    latest = latest_iteration(root)
+    if latest is None:
+        return None, []
+    warnings: list[str] = []
+    candidates = _checkpoint_dirs(root, latest)
+    if not candidates or candidates[0][0] != latest:
+        candidates.insert(0, (latest, iteration_dir(root, latest)))
+    for iteration, folder in candidates:
+        problem = problem_with(folder)
+        if problem is None:
+            return iteration, warnings
+        if strict:
+            raise InvalidConfigError(
+                "load", str(folder), f"the newest checkpoint is incomplete: {problem}",
+                "Drop --strict_resume to resume from the newest complete one, or delete that folder",
+            )  # fmt: skip
+        warnings.append(f"checkpoint {folder} is incomplete ({problem}); trying the one before it")
+    raise InvalidConfigError(
+        "load", str(root), "no complete checkpoint: " + "; ".join(warnings),
+        "Point load at a folder with a complete checkpoint, or pass --overwrite_checkpoints true to start afresh",
+    )  # fmt: skip
 
 
 def latest_iteration(root: Path) -> int | None:
@@ -167,10 +304,13 @@ def save(
     optimizer: Any,
     scheduler: Any,
     *,
+    config_yaml: str,
+    facts: Facts,
     with_optimizer: bool = True,
     with_rng: bool = True,
 ) -> Path:
-    """Write the checkpoint of ``iteration`` on every rank, then publish it in the tracker file."""
+    """Write the checkpoint of ``iteration`` on every rank; then rank 0 adds the config and the
+    manifest and publishes it in the tracker file, in that order."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
@@ -180,6 +320,8 @@ def save(
     target = iteration_dir(root, iteration)
     if dist.get_rank() == 0:
         target.mkdir(parents=True, exist_ok=True)
+        for stale in (MANIFEST, CONFIG):  # an older save of this iteration: it no longer describes the files
+            (target / stale).unlink(missing_ok=True)
     dist.barrier()
     state = _sharded_state(
         chunks,
@@ -195,6 +337,8 @@ def save(
     )
     dist.barrier()
     if dist.get_rank() == 0:
+        (target / CONFIG).write_text(config_yaml)
+        _write_manifest(target, facts)
         tmp = root / (TRACKER + ".tmp")
         tmp.write_text(f"{iteration}\n")
         tmp.replace(root / TRACKER)
@@ -208,19 +352,37 @@ def load(
     optimizer: Any,
     scheduler: Any,
     *,
+    facts: Facts,
+    strict: bool = False,
     finetune: bool = False,
     with_optimizer: bool = True,
     with_rng: bool = True,
 ) -> int:
-    """Restore the latest checkpoint under ``root``; returns the iteration to continue from (0 if none)."""
+    """Restore the newest complete checkpoint under ``root``; returns the iteration to continue from
+    (0 if there is none). Every rank gets rank 0's choice."""
     from megatron.core import dist_checkpointing
 
-    iteration = latest_iteration(root)
+    choice: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            choice[0] = select_checkpoint(root, strict=strict)
+        except InvalidConfigError as e:
+            choice[0] = e
+    dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], InvalidConfigError):
+        raise choice[0]
+    iteration, warnings = choice[0]
+    if dist.get_rank() == 0:
+        for warning in warnings:
+            logger.warning(warning)
     if iteration is None:
         return 0
     with_optimizer = with_optimizer and not finetune
     with_rng = with_rng and not finetune
     source = iteration_dir(root, iteration)
+    saved = _saved_facts(source)
+    if saved is not None:
+        check_compatible(saved, facts, source, with_optimizer=with_optimizer)
     if with_optimizer:
         _materialize_adam_state(optimizer)
     template = _sharded_state(
@@ -232,11 +394,57 @@ def load(
         with_optimizer=with_optimizer,
         with_rng=with_rng,
     )
-    state = dist_checkpointing.load(template, str(source))
+    try:
+        state = dist_checkpointing.load(template, str(source))
+    except Exception as e:  # megatron-core raises many kinds; the user needs the folder and the first line
+        raise InvalidConfigError(
+            "load", str(source), f"megatron-core could not read it: {str(e).strip().splitlines()[0][:300]}",
+            "Delete that folder to resume from the checkpoint before it, or pass --no_load_optim true if the "
+            "parallel layout changed",
+        ) from e  # fmt: skip
+    if with_optimizer:
+        _report_schedule(scheduler, schedule_differences(scheduler, state["opt_param_scheduler"]))
     with torch.no_grad():  # the optimizer copies into its (leaf, grad-requiring) main params in place
         _restore(state, chunks, optimizer, scheduler, with_optimizer=with_optimizer, with_rng=with_rng)
     logger.info("resumed from %s (iteration %d)", source, iteration)
     return 0 if finetune else int(state["iteration"])
+
+
+_SCHEDULE = {
+    "max_lr": "lr", "min_lr": "min_lr", "lr_warmup_steps": "lr_warmup_iters (in samples)",
+    "lr_decay_steps": "lr_decay_iters or train_iters (in samples)", "lr_decay_style": "lr_decay_style",
+    "start_wd": "start_weight_decay", "end_wd": "end_weight_decay",
+    "wd_incr_steps": "train_iters for the weight-decay schedule (in samples)",
+}  # fmt: skip
+
+
+def schedule_differences(scheduler: Any, saved: dict[str, Any]) -> list[str]:
+    """``setting: config X, checkpoint Y`` for each LR/WD schedule value where the two disagree."""
+    return [
+        f"{setting}: config {getattr(scheduler, key)!r}, checkpoint {saved[key]!r}"
+        for key, setting in _SCHEDULE.items()
+        if key in saved and getattr(scheduler, key, None) != saved[key]
+    ]
+
+
+def _report_schedule(scheduler: Any, diffs: list[str]) -> None:
+    """Say which schedule a resumed run follows and the flag that picks the other (megatron-core's two
+    switches); with both off, stop as Megatron-LM does, but with the remedy."""
+    if not diffs:
+        return
+    text = "the LR schedule differs from the checkpoint's: " + "; ".join(diffs)
+    if scheduler.override_opt_param_scheduler:
+        used = "The config's is used (override_opt_param_scheduler); drop that flag to keep the checkpoint's"
+    elif scheduler.use_checkpoint_opt_param_scheduler:
+        used = "The checkpoint's is used; pass --override_opt_param_scheduler true to use the config's"
+    else:
+        raise InvalidConfigError(
+            "use_checkpoint_opt_param_scheduler", False, text,
+            "Pass --override_opt_param_scheduler true (the config's) or --use_checkpoint_opt_param_scheduler "
+            "true (the checkpoint's)",
+        )  # fmt: skip
+    if dist.get_rank() == 0:
+        logger.warning("%s. %s", text, used)
 
 
 def _restore(

@@ -27,19 +27,23 @@ class ResolvedConfig:
 
     def export(self) -> str:
         """The effective config as an experiment YAML that reproduces this run without presets."""
-        c = self.config
-        identity = {
-            "work_group": c.work_group,
-            "user_name": c.user_name,
-            "exp_name": c.exp_name,
-            "workspace": c.workspace,
-        }
-        return dump_experiment(identity, c.params())
+        return export_yaml(self.config)
 
     def provenance(self) -> str:
         """``# key: file`` lines for every value a file or the command line set (the rest are defaults)."""
         width = max((len(k) for k in self.source), default=0)
         return "".join(f"# {key:<{width}}  {origin}\n" for key, origin in sorted(self.source.items()))
+
+
+def export_yaml(c: PretrainConfig) -> str:
+    """``c`` as an experiment YAML without presets (``--export_config``, each checkpoint's config.yaml)."""
+    identity = {
+        "work_group": c.work_group,
+        "user_name": c.user_name,
+        "exp_name": c.exp_name,
+        "workspace": c.workspace,
+    }
+    return dump_experiment(identity, c.params())
 
 
 def resolve_config(path: str | Path, overrides: Sequence[str], environ: Mapping[str, str]) -> ResolvedConfig:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,11 @@ from tqdm import tqdm
 
 import megamoe
 from megamoe.train import checkpoint, data, distributed, metrics, model
+from megamoe.train.config import export_yaml
 from megamoe.train.evaluate import evaluate
 from megamoe.train.forward import forward_step
 from megamoe.train.schema import PretrainConfig
+from megamoe.train.signals import Interrupted, Preempted, StopRequests
 from megamoe.train.sinks import EvalStats, Sinks
 from megamoe.train.validate import RunPlan, plan_run
 
@@ -104,6 +107,10 @@ def pretrain(cfg: PretrainConfig, environ: Mapping[str, str]) -> Summary:
     distributed.init_distributed(info, environ)
     try:
         summary = _train(cfg, plan, info, started)
+    except (Preempted, Interrupted):  # every rank stops at the same boundary: leave in order
+        _release_cuda_graphs()
+        distributed.teardown(wait_for_peers=True)
+        raise
     except BaseException:
         _release_cuda_graphs()
         distributed.teardown(wait_for_peers=False)  # peers may be gone: no barrier
@@ -128,12 +135,17 @@ class _Run:
 
 
 def _train(cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, started: float) -> Summary:
+    if info.rank == 0:  # what this run resolved to, next to its log (each checkpoint holds its own copy)
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.output_dir) / "config.yaml").write_text(export_yaml(cfg))
     run = _build(cfg, plan)
     start = _resume(cfg, plan, run)
     datasets = data.build_datasets(cfg, plan, run.tokenizer)
     sinks = Sinks.open(cfg, rank=info.rank, start_iteration=start, world_size=info.world_size)
+    t = cfg.training
+    stops = StopRequests(handle_signals=t.exit_signal_handler, exit_duration_in_mins=t.exit_duration_in_mins)
     try:
-        history, saved, valid = _steps(cfg, plan, info, run, start, datasets, sinks)
+        history, saved, valid = _steps(cfg, plan, info, run, start, datasets, sinks, stops)
         last = history[-1].iteration if history else start
         test = None
         if history and cfg.training.eval_iters:
@@ -142,6 +154,7 @@ def _train(cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, start
             if datasets.test is not None:
                 test = _evaluate(cfg, plan, run, datasets.test, "test", last, sinks, info)
     finally:
+        stops.close()
         sinks.close()
     if (
         history
@@ -197,27 +210,60 @@ def _build(cfg: PretrainConfig, plan: RunPlan) -> _Run:
 
 
 def _resume(cfg: PretrainConfig, plan: RunPlan, run: _Run) -> int:
-    """The iteration to continue from: the latest checkpoint's, or 0."""
+    """The iteration to continue from: the newest complete checkpoint's, or 0 (validate.py's rule
+    decides whether a save folder's checkpoints are continued or replaced)."""
     c = cfg.checkpoint
-    if not c.auto_continue_train:
+    if c.overwrite_checkpoints:
+        _replace_checkpoints(plan.save_dir)
+    if not c.auto_continue_train or (c.overwrite_checkpoints and plan.load_dir == plan.save_dir):
         return 0
-    start = checkpoint.load(plan.load_dir, run.chunks, run.optimizer, run.scheduler, finetune=c.finetune,
-                            with_optimizer=not c.no_load_optim, with_rng=not c.no_load_rng)  # fmt: skip
-    if start >= cfg.training.train_iters:
+    start = checkpoint.load(plan.load_dir, run.chunks, run.optimizer, run.scheduler, facts=_facts(cfg, plan, run),
+                            strict=c.strict_resume, finetune=c.finetune, with_optimizer=not c.no_load_optim,
+                            with_rng=not c.no_load_rng)  # fmt: skip
+    if start >= cfg.training.train_iters and dist.get_rank() == 0:
         logger.warning(
-            "the checkpoint in %s is at iteration %d >= train_iters=%d: nothing to train. Raise train_iters, "
-            "or set auto_continue_train: false to start afresh",
+            "the checkpoint in %s is at iteration %d >= train_iters=%d: nothing to train. Raise train_iters "
+            "(--override_opt_param_scheduler true for its new LR schedule), or pass --overwrite_checkpoints "
+            "true to train afresh",
             plan.load_dir, start, cfg.training.train_iters,
         )  # fmt: skip
     return start
 
 
+def _replace_checkpoints(save_dir: Path) -> None:
+    """overwrite_checkpoints: the save folder's checkpoints go before the run writes its own."""
+    if dist.get_rank() == 0:
+        latest = checkpoint.latest_iteration(save_dir) if save_dir.is_dir() else None
+        if latest is not None:
+            logger.warning(
+                "overwrite_checkpoints: removing the checkpoints in %s (up to iteration %d)", save_dir, latest
+            )
+            (save_dir / checkpoint.TRACKER).unlink()
+            for folder in save_dir.glob("iter_*"):
+                shutil.rmtree(folder)
+    dist.barrier()
+
+
+def _facts(cfg: PretrainConfig, plan: RunPlan, run: _Run) -> checkpoint.Facts:
+    settings = {**asdict(cfg.model), **asdict(cfg.moe)}
+    p = cfg.parallel
+    return checkpoint.Facts(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        data_parallel_size=plan.data_parallel_size,
+        vocab_size=run.vocab_size,
+        model={name: settings[name] for name in checkpoint.SHAPE_SETTINGS},
+    )
+
+
 def _steps(
     cfg: PretrainConfig, plan: RunPlan, info: distributed.RankInfo, run: _Run, start: int,
-    datasets: data.Datasets, sinks: Sinks,
+    datasets: data.Datasets, sinks: Sinks, stops: StopRequests,
 ) -> tuple[list[metrics.StepStats], str | None, EvalStats | None]:  # fmt: skip
     """Iterations ``start + 1 ..`` with logging, evaluations and periodic checkpoints; the stats, the
-    last save and the last validation."""
+    last save and the last validation. A stop request ends it at an iteration boundary: preemption
+    after a checkpoint of that iteration (:class:`Preempted`), SIGINT at once (:class:`Interrupted`)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -249,6 +295,15 @@ def _steps(
         interval = cfg.checkpoint.save_interval
         if interval and stats.iteration % interval == 0:
             saved = str(_save(cfg, plan, stats.iteration, run))
+        verdict = stops.agree()
+        if verdict.interrupt:
+            bar.close()
+            raise Interrupted(stats.iteration)
+        if verdict.save_and_exit and stats.iteration < stop:
+            if saved != str(checkpoint.iteration_dir(plan.save_dir, stats.iteration)):
+                _save(cfg, plan, stats.iteration, run)
+            bar.close()
+            raise Preempted(verdict.save_and_exit, stats.iteration)
     bar.close()
     return history, saved, valid
 
@@ -310,6 +365,8 @@ def _scheduler(cfg: PretrainConfig, plan: RunPlan, optimizer: Any) -> Any:
         wd_incr_style=o.weight_decay_incr_style,
         wsd_decay_steps=decay_iters * gbs if o.lr_decay_style == "WSD" else None,
         lr_wsd_decay_style="linear" if o.lr_decay_style == "WSD" else None,
+        override_opt_param_scheduler=o.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=o.use_checkpoint_opt_param_scheduler,
     )
 
 
@@ -373,6 +430,7 @@ def _save(cfg: PretrainConfig, plan: RunPlan, iteration: int, run: _Run) -> Path
     c = cfg.checkpoint
     t0 = time.perf_counter()
     path = checkpoint.save(plan.save_dir, iteration, run.chunks, run.optimizer, run.scheduler,
+                           config_yaml=export_yaml(cfg), facts=_facts(cfg, plan, run),
                            with_optimizer=not c.no_save_optim, with_rng=not c.no_save_rng)  # fmt: skip
     logger.info("saved checkpoint %s in %.1f s", path, time.perf_counter() - t0)
     return path

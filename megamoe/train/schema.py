@@ -171,7 +171,12 @@ class TrainingConfig:
     eval_interval: int | None = None
     """Evaluate every this many iterations; null evaluates only at the end of training."""
     exit_interval: int | None = None
-    """Stop after this iteration (for tests and preemption drills); None runs to train_iters."""
+    """Save and stop after this iteration (for tests and preemption drills); None runs to train_iters."""
+    exit_duration_in_mins: float | None = None
+    """Save and stop at the first iteration boundary after this many minutes of the run."""
+    exit_signal_handler: bool = True
+    """SIGTERM and SIGUSR1 save a checkpoint at the next iteration boundary and exit with status 75
+    (preempted, resumable); SIGINT stops after the current step without saving (status 130)."""
     gradient_accumulation_fusion: bool = False
     """Fused wgrad accumulation needs apex's CUDA extension; turned off (logged) when it is absent."""
 
@@ -192,6 +197,11 @@ class OptimizerConfig:
     start_weight_decay: float | None = None
     end_weight_decay: float | None = None
     weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
+    override_opt_param_scheduler: bool = False
+    """On resume, use the config's LR/WD schedule instead of the checkpoint's."""
+    use_checkpoint_opt_param_scheduler: bool = True
+    """On resume, use the checkpoint's LR/WD schedule (megatron-core's default); with both false a
+    schedule that differs from the checkpoint's stops the run."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -253,6 +263,11 @@ class CheckpointConfig:
     no_load_rng: bool | None = None
     no_save_optim: bool | None = None
     no_save_rng: bool | None = None
+    strict_resume: bool = False
+    """Stop when the newest checkpoint is incomplete instead of resuming from the one before it."""
+    overwrite_checkpoints: bool = False
+    """Start at iteration 0 and replace the checkpoints already in ``save``; without it a run that would
+    overwrite them stops at start-up."""
     ckpt_format: Literal["torch_dist", "torch"] = "torch_dist"
     """Only ``torch_dist`` (megatron-core dist_checkpointing) is implemented."""
     async_save: bool = False

@@ -51,13 +51,15 @@ def plan_run(cfg: PretrainConfig, *, world_size: int, has_cuda: bool) -> RunPlan
             f"Use a multiple of {t.micro_batch_size * dp}",
         )
     save = Path(cfg.checkpoint.save or f"{cfg.output_dir}/checkpoints")
+    load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else save
+    _check_workspace(cfg, save, load)
     return RunPlan(
         world_size=world_size,
         data_parallel_size=dp,
         num_microbatches=gbs // (t.micro_batch_size * dp),
         global_batch_size=gbs,
         save_dir=save,
-        load_dir=Path(cfg.checkpoint.load) if cfg.checkpoint.load else save,
+        load_dir=load,
         data_cache_dir=Path(cfg.data.data_cache_path or f"{cfg.workspace.rstrip('/')}/data_cache"),
         cuda_graph_impl=_cuda_graph_impl(cfg),
         gradient_accumulation_fusion=cfg.training.gradient_accumulation_fusion and _has_fused_wgrad(),
@@ -243,6 +245,27 @@ def _check_consistency(cfg: PretrainConfig) -> None:
             )
 
 
+def resumes_in_place(cfg: PretrainConfig, save: Path, load: Path) -> bool:
+    """The one rule for a save folder that already holds checkpoints: a run continues them (resume
+    from that same folder) or, with overwrite_checkpoints, replaces them; anything else stops."""
+    c = cfg.checkpoint
+    return c.auto_continue_train and not c.finetune and not c.overwrite_checkpoints and load == save
+
+
+def _check_workspace(cfg: PretrainConfig, save: Path, load: Path) -> None:
+    tracker = save / "latest_checkpointed_iteration.txt"
+    if cfg.checkpoint.overwrite_checkpoints or not tracker.is_file() or resumes_in_place(cfg, save, load):
+        return
+    raise InvalidConfigError(
+        "save",
+        str(save),
+        f"already holds checkpoints (up to iteration {tracker.read_text().strip()}) that this run, starting "
+        "at iteration 0, would overwrite",
+        "Resume them (auto_continue_train: true), save elsewhere (--save DIR or a new --exp_name), or pass "
+        "--overwrite_checkpoints true to replace them",
+    )
+
+
 def _check_data(cfg: PretrainConfig) -> None:
     """Real data: the tokenizer's files, the blends and every prefix's .bin/.idx pair, by name."""
     d, m = cfg.data, cfg.model
@@ -295,7 +318,7 @@ _NON_NEGATIVE = {
     "moe": ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_router_bias_update_rate",
             "moe_router_topk_scaling_factor", "moe_expert_capacity_factor"),
     "parallel": ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
-    "training": ("eval_iters", "cuda_graph_warmup_steps", "recompute_num_layers"),
+    "training": ("eval_iters", "cuda_graph_warmup_steps", "recompute_num_layers", "exit_duration_in_mins"),
     "optimizer": ("lr", "min_lr", "lr_warmup_iters", "lr_warmup_init", "weight_decay", "start_weight_decay",
                   "end_weight_decay", "adam_eps", "clip_grad", "initial_loss_scale", "loss_scale"),
     "logging": ("log_avg_skip_iterations", "log_avg_reset_interval"),

@@ -8,69 +8,19 @@ per-iteration numbers come from the run's ``training_log.jsonl``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import re
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "examples/megatron/configs/cpu/moe_tiny-pretrain.yaml"
-MOCK = ROOT / "examples/megatron/configs/cpu/moe_tiny-mock-pretrain.yaml"
-DEMO_PP2 = ROOT / "examples/megatron/configs/cpu/moe_tiny-pp2-pretrain.yaml"
-DSV3 = ROOT / "examples/megatron/configs/MI355X/deepseek_v3-BF16-pretrain.yaml"
+from tests.train import _runs as runs
+from tests.train._runs import DEMO, DEMO_PP2, DSV3, MOCK, ROOT, history, kill_tree, train
 
 pytestmark = pytest.mark.slow
-
-
-def _command(config: Path, workspace: Path, argv: tuple[str, ...]) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "megamoe.train", "pretrain", "--config", str(config), "--workspace", str(workspace), *argv,
-    ]  # fmt: skip
-
-
-def _env(**extra: str) -> dict[str, str]:
-    return {
-        **os.environ,
-        "TORCHDYNAMO_DISABLE": "1",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        **extra,
-    }
-
-
-def train(
-    config: Path, workspace: Path, *argv: str, timeout: float = 150, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    """Run the trainer on 2 ranks; fail the test with its output if it fails."""
-    proc = subprocess.run(
-        _command(config, workspace, argv), cwd=ROOT, env=env or _env(), capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        pytest.fail(f"training failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return proc
-
-
-def history(workspace: Path, exp_name: str, event: str = "train") -> dict[int, dict]:
-    """iteration -> the last ``event`` record written for it (a resumed run rewrites the ones after its
-    checkpoint)."""
-    path = next(workspace.glob(f"*/*/{exp_name}/training_log.jsonl"))
-    records = map(json.loads, path.read_text().splitlines())
-    return {r["iteration"]: r for r in records if r["event"] == event}
-
-
-def _losses(workspace: Path, exp_name: str = "moe_tiny-mock-pretrain") -> list[float]:
-    return [r["lm_loss"] for _, r in sorted(history(workspace, exp_name).items())]
 
 
 def test_real_text_demo_trains_with_validation_loss_going_down(tmp_path: Path, demo_data: Path) -> None:
@@ -78,10 +28,14 @@ def test_real_text_demo_trains_with_validation_loss_going_down(tmp_path: Path, d
 
     started = time.monotonic()
     proc = train(
-        DEMO, tmp_path, "--tensorboard_dir", str(tmp_path / "tb"), env=_env(PRIMUS_DATA_DIR=str(demo_data))
+        DEMO,
+        tmp_path,
+        "--tensorboard_dir",
+        str(tmp_path / "tb"),
+        env=runs.default_env(PRIMUS_DATA_DIR=str(demo_data)),
     )
     elapsed = time.monotonic() - started
-    losses = _losses(tmp_path, "moe_tiny-pretrain")
+    losses = runs.losses(tmp_path, "moe_tiny-pretrain")
     valid = {it: r["lm_loss"] for it, r in history(tmp_path, "moe_tiny-pretrain", "valid").items()}
     assert len(losses) == 40 and losses[-1] < losses[0] - 1.0, losses
     assert sorted(valid) == [10, 20, 30, 40] and valid[40] < valid[10] - 0.3, valid
@@ -113,7 +67,7 @@ def test_evaluation_on_real_text_with_pp2_and_with_megatron_moelayer(
     tmp_path: Path, demo_data: Path, layout: tuple
 ) -> None:
     train(DEMO, tmp_path, *layout, "--train_iters", "4", "--eval_interval", "2", "--eval_iters", "1",
-          "--disable_last_saving", "true", env=_env(PRIMUS_DATA_DIR=str(demo_data)))  # fmt: skip
+          "--disable_last_saving", "true", env=runs.default_env(PRIMUS_DATA_DIR=str(demo_data)))  # fmt: skip
     valid = history(tmp_path, "moe_tiny-pretrain", "valid")
     assert sorted(valid) == [2, 4] and all(math.isfinite(r["lm_loss"]) for r in valid.values())
     assert valid[4]["lm_loss"] < valid[2]["lm_loss"]
@@ -139,7 +93,7 @@ def test_deepseek_v3_tiny_mla_mtp_group_routing_trains_with_megamoe_ep2(tmp_path
         "--moe_router_force_load_balancing_type", "uniform", "--progress_bar", "false",
         "--disable_last_saving", "true",
     )  # fmt: skip
-    proc = train(DSV3, tmp_path, *argv, env=_env(PRIMUS_MODEL="deepseek_v3_tiny"))
+    proc = train(DSV3, tmp_path, *argv, env=runs.default_env(PRIMUS_MODEL="deepseek_v3_tiny"))
     losses = [r["lm_loss"] for _, r in sorted(history(tmp_path, "deepseek_v3-pretrain").items())]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
     assert "EP=2 (8 experts/rank)" in proc.stderr
@@ -155,7 +109,7 @@ def test_pretrain_pp2_with_two_virtual_stages_per_rank_loss_goes_down(tmp_path: 
 def test_megamoe_mxfp8_experts_train(tmp_path: Path) -> None:
     proc = train(MOCK, tmp_path, "--turbo_mega_moe_precision", "mxfp8", "--train_iters", "6", "--progress_bar",
                  "false", "--disable_last_saving", "true")  # fmt: skip
-    losses = _losses(tmp_path)
+    losses = runs.losses(tmp_path)
     assert len(losses) == 6 and losses[-1] < 0.85 * losses[0], losses
     assert "precision=mxfp8" in proc.stderr
 
@@ -164,7 +118,7 @@ def test_dense_model_trains_with_tensor_parallelism(tmp_path: Path) -> None:
     proc = train(MOCK, tmp_path, "--num_experts", "null", "--moe_layer_freq", "1", "--tensor_model_parallel_size",
                  "2", "--expert_model_parallel_size", "1", "--global_batch_size", "8", "--train_iters", "6",
                  "--progress_bar", "false", "--disable_last_saving", "true")  # fmt: skip
-    losses = _losses(tmp_path)
+    losses = runs.losses(tmp_path)
     assert len(losses) == 6 and losses[-1] < 0.9 * losses[0], losses
     assert "TP=2" in proc.stderr and "the model has no MoE layers" in proc.stderr
 
@@ -194,25 +148,12 @@ def test_megamoe_and_megatron_moelayer_give_the_same_first_losses(tmp_path: Path
         assert mega["grad_norm"] == pytest.approx(megatron["grad_norm"], rel=1e-4), it
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL torchrun and the rank processes it started (they run in sessions of their own)."""
-    try:
-        root = psutil.Process(pid)
-        family = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return
-    for process in family:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.send_signal(signal.SIGKILL)
-    psutil.wait_procs(family, timeout=30)
-
-
 def _kill_after_first_checkpoint(
     config: Path, workspace: Path, argv: tuple[str, ...], env: dict[str, str]
 ) -> int:
     """Start a run and SIGKILL every process of it once a checkpoint is published; its iteration."""
     proc = subprocess.Popen(
-        _command(config, workspace, argv), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+        runs.command(config, workspace, argv), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.monotonic() + 150
@@ -220,12 +161,12 @@ def _kill_after_first_checkpoint(
         while time.monotonic() < deadline and proc.poll() is None:
             trackers = list(workspace.glob("*/*/*/checkpoints/latest_checkpointed_iteration.txt"))
             if trackers and trackers[0].read_text().strip():
-                _kill_tree(proc.pid)
+                kill_tree(proc.pid)
                 return int(trackers[0].read_text())
             time.sleep(0.05)
         pytest.fail(f"no checkpoint appeared (exit code {proc.poll()})")
     finally:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         proc.wait()
 
 
@@ -251,7 +192,7 @@ def test_killed_run_resumes_from_its_checkpoint_on_the_uninterrupted_curve(
     validation set come from the prepared corpus): the resumed run reads the same samples."""
     real = "--mock_data" in extra
     config, exp = (DEMO, "moe_tiny-pretrain") if real else (MOCK, "moe_tiny-mock-pretrain")
-    env = _env(PRIMUS_DATA_DIR=str(demo_data))
+    env = runs.default_env(PRIMUS_DATA_DIR=str(demo_data))
     argv = ("--train_iters", "6", "--save_interval", "3", "--auto_continue_train", "true", "--progress_bar", "false",
             *extra)  # fmt: skip
     train(config, tmp_path / "whole", *argv, env=env)
@@ -274,8 +215,8 @@ def test_killed_run_resumes_from_its_checkpoint_on_the_uninterrupted_curve(
 
 def test_megamoe_setting_it_cannot_honour_fails_before_any_step(tmp_path: Path) -> None:
     proc = subprocess.run(
-        _command(MOCK, tmp_path, ("--moe_router_load_balancing_type", "seq_aux_loss")),
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+        runs.command(MOCK, tmp_path, ("--moe_router_load_balancing_type", "seq_aux_loss")),
+        cwd=ROOT, env=runs.default_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0
     assert "moe_router_load_balancing_type='seq_aux_loss': not supported by MegaMoE" in proc.stderr
