@@ -63,7 +63,10 @@ class PrepareSummary:
     bad_lines: int = 0
     bytes_read: int = 0
     """Bytes of the lines tokenized so far (uncompressed)."""
+    load_seconds: float = 0.0
+    """Loading the tokenizer (its libraries included), before the first line."""
     seconds: float = 0.0
+    """Reading, tokenizing and writing."""
     outputs: list[str] = field(default_factory=list)
 
     def text(self) -> str:
@@ -72,7 +75,8 @@ class PrepareSummary:
         return (
             f"prepare-data: {self.documents:,} documents, {self.tokens:,} tokens -> {', '.join(self.outputs)} "
             f"(.bin/.idx) | skipped {self.empty:,} empty documents, {self.bad_lines:,} bad lines | "
-            f"{self.seconds:.1f} s, {rate:,.0f} tokens/s, {mb_s:.2f} MB/s of input"
+            f"{self.seconds:.1f} s, {rate:,.0f} tokens/s, {mb_s:.2f} MB/s of input "
+            f"(after {self.load_seconds:.1f} s loading the tokenizer)"
         )
 
 
@@ -113,14 +117,15 @@ def prepare(s: PrepareSettings, *, progress: IO[str] = sys.stderr) -> PrepareSum
     check_settings(s)
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    started = time.perf_counter()
+    loading = time.perf_counter()
     tokenizer = tokenizers.build_tokenizer(s.tokenizer_type, s.tokenizer_model, s.vocab_size)
+    started = time.perf_counter()
     eod = tokenizers.end_of_document_id(tokenizer, s.tokenizer_model) if s.append_eod else None
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     Path(s.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     finals = {key: output_prefix(s.output_prefix, key) for key in s.json_keys}
     partials = {key: f"{final}.partial-{os.getpid()}" for key, final in finals.items()}
-    summary = PrepareSummary()
+    summary = PrepareSummary(load_seconds=started - loading)
     _worker_tokenizer = tokenizer
     try:
         builders = {key: IndexedDatasetBuilder(partials[key] + ".bin", dtype=dtype) for key in s.json_keys}

@@ -153,3 +153,19 @@ def test_external_cuda_graph_uses_megatron_local_graphs_without_transformer_engi
     assert _plan(["--external_cuda_graph", "true"], has_cuda=True).cuda_graph_impl == "local"
     with pytest.raises(UnsupportedSettingError, match=r"^cuda_graph_impl='transformer_engine'"):
         _plan(["--external_cuda_graph", "true", "--cuda_graph_impl", "transformer_engine"], has_cuda=True)
+
+
+def test_a_save_folder_with_checkpoints_is_continued_or_replaced_never_overwritten(tmp_path: Path) -> None:
+    tracker = tmp_path / "megamoe/demo/moe_tiny-mock-pretrain/checkpoints/latest_checkpointed_iteration.txt"
+    tracker.parent.mkdir(parents=True)
+    tracker.write_text("20\n")
+    base = ["--workspace", str(tmp_path)]
+    _plan(base)  # auto_continue_train (the default) resumes them
+    with pytest.raises(
+        InvalidConfigError,
+        match=r"^save=.*already holds checkpoints \(up to iteration 20\).*--overwrite_checkpoints true",
+    ):
+        _plan([*base, "--auto_continue_train", "false"])
+    with pytest.raises(InvalidConfigError, match=r"^save="):
+        _plan([*base, "--finetune", "true"])
+    _plan([*base, "--auto_continue_train", "false", "--overwrite_checkpoints", "true"])

@@ -46,7 +46,7 @@ def test_build_script_dry_run_prints_every_step(kind: str) -> None:
         (["cpu", "--fast"], {}, "argument --fast: unknown. Put build options after --"),
         (["cpu"], {"CONTAINER_RUNTIME": "lxc"}, "CONTAINER_RUNTIME=lxc: expected podman or docker"),
         (
-            ["rocm"],
+            ["rocm", "--dry-run"],  # the dry run checks it too, with or without a runtime here
             {"PRIMUS_TURBO_REPO_URL": "https://bob:t0ken@example.invalid/x.git"},
             "PRIMUS_TURBO_REPO_URL: has credentials",
         ),
