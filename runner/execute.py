@@ -1,94 +1,41 @@
 """Run a plan: the only module that starts processes.
 
-Every child runs in its own session; SIGTERM and SIGINT received by the launcher are forwarded
-to the child's whole process group (torchrun and its workers, or srun, or the container client,
-which pass them on), escalating to SIGKILL after a grace period, so nothing is left behind.
-A launcher ended by a signal exits 128 + the signal number. Values of environment variables are
-only ever placed in a child's environment, never in argv or a log line.
+Every child runs in its own session; the launcher's SIGTERM, SIGUSR1 and SIGINT reach it as
+runner.signals describes (torchrun's ranks save and exit 75 on a preemption), escalating to SIGKILL
+after a grace period, so nothing is left behind. Values of environment variables are only ever
+placed in a child's environment, never in argv or a log line.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Mapping
+from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any
 
 from runner import env as env_mod
 from runner import hooks as hooks_mod
+from runner import signals
 from runner.chain import Request
 from runner.errors import LaunchError
 from runner.modes import container as container_mod
-from runner.modes.direct import NodeContext
+from runner.modes.direct import NodeContext, in_slurm_step
 from runner.plan import HookCall, LaunchPlan, Preflight, Step
 from runner.torchrun_output import TorchrunOutput
 
 logger = logging.getLogger(__name__)
 
-GRACE_S = 20.0
 TAIL_LINES = 20
 PREFLIGHT_TIMEOUT_S = 120
 _SRUN_TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): Exited with exit code (\d+)")
-
-
-class _Forwarder:
-    """Forward SIGTERM/SIGINT to the current child's process group while it runs."""
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
-        self.received: int | None = None
-        self.deadline: float | None = None
-
-    def __call__(self, signum: int, _frame: object) -> None:
-        self.received = self.received or signum
-        self.deadline = self.deadline or time.monotonic() + GRACE_S
-        if self.proc is not None and self.proc.poll() is None:
-            logger.warning("received %s: forwarding it to %s", signal.Signals(signum).name, self.proc.args[0])
-            _killpg(self.proc, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
-
-    def escalate(self) -> None:
-        if self.deadline and time.monotonic() > self.deadline and self.proc and self.proc.poll() is None:
-            logger.error("child did not stop within %.0f s of the signal: killing its process group", GRACE_S)
-            _killpg(self.proc, signal.SIGKILL)
-            self.deadline = None
-
-
-def _killpg(proc: subprocess.Popen, sig: int) -> None:
-    with suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)
-
-
-_forwarder = _Forwarder()
-
-
-@contextmanager
-def _forwarding(proc: subprocess.Popen) -> Iterator[None]:
-    old = {s: signal.signal(s, _forwarder) for s in (signal.SIGTERM, signal.SIGINT)}
-    _forwarder.proc = proc
-    if _forwarder.received:  # a signal arrived between two children: do not start the next one
-        _killpg(proc, signal.SIGTERM)
-    try:
-        yield
-    finally:
-        _forwarder.proc = None
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-def _exit_code(rc: int) -> int:
-    code = 128 - rc if rc < 0 else rc
-    if _forwarder.received:  # ended on our signal: say so, whatever the child made of it
-        return 128 + _forwarder.received
-    return code
 
 
 def _spawn(argv: list[str], env: Mapping[str, str], **kw: object) -> subprocess.Popen:
@@ -114,7 +61,7 @@ def _pump(
             rc = proc.wait(timeout=0.2)
             break
         except subprocess.TimeoutExpired:
-            _forwarder.escalate()
+            signals.tick()
             tick()
     reader.join(timeout=5)
     return rc
@@ -124,12 +71,12 @@ def run_passthrough(argv: list[str], env: Mapping[str, str]) -> int:
     """A child that writes straight to our stdout/stderr (the container client, a one-process command)."""
     logger.debug("running: %s", " ".join(argv[:2]))
     proc = _spawn(argv, env, stdin=subprocess.DEVNULL)
-    with _forwarding(proc):
+    with signals.forwarding(proc):
         while True:
             try:
-                return _exit_code(proc.wait(timeout=0.5))
+                return signals.exit_code(proc.wait(timeout=0.5))
             except subprocess.TimeoutExpired:
-                _forwarder.escalate()
+                signals.tick()
 
 
 # --------------------------------------------------------------------------- hooks
@@ -159,14 +106,14 @@ def run_hooks(
             stdin=subprocess.DEVNULL,
         )  # fmt: skip
         start = time.monotonic()
-        with _forwarding(proc):
+        with signals.forwarding(proc):
             assert proc.stdout is not None
             timer = _Timer(proc, start + timeout_s)
             rc = _pump(proc.stdout, proc, on_line, timer.check)
         if timer.fired:
             raise LaunchError(_hook_failure(call.name, f"timed out after {timeout_s} s", tail))
-        if _forwarder.received:
-            raise LaunchError(f"hook {call.name}: stopped by {signal.Signals(_forwarder.received).name}")
+        if signals.received():
+            raise LaunchError(f"hook {call.name}: stopped by {signal.Signals(signals.received()).name}")
         if rc != 0:
             raise LaunchError(_hook_failure(call.name, f"exited with code {rc}", tail))
         # A hook with nothing to say (one that is switched off) leaves no line on the console.
@@ -206,7 +153,7 @@ class _Timer:
     def check(self) -> None:
         if not self.fired and time.monotonic() > self.deadline:
             self.fired = True
-            _killpg(self.proc, signal.SIGKILL)
+            signals.killpg(self.proc, signal.SIGKILL)
 
 
 def _hook_failure(name: str, what: str, tail: list[str]) -> str:
@@ -292,16 +239,34 @@ def run_torchrun(plan: LaunchPlan, step: Step, ctx: NodeContext, req: Request, e
                 sys.stdout.write(line)
                 sys.stdout.flush()
 
-        with _forwarding(proc):
+        with signals.forwarding(
+            proc, torchrun_noticed=lambda: output.signalled, in_slurm_step=in_slurm_step(env)
+        ):
             assert proc.stdout is not None
-            rc = _exit_code(_pump(proc.stdout, proc, on_line))
+            rc = signals.exit_code(_pump(proc.stdout, proc, on_line))
     if rc == 0:
         return 0
-    if _forwarder.received:
-        logger.error("stopped by %s (node log: %s)", signal.Signals(_forwarder.received).name, log_path)
+    worker = output.worker_exit_code()  # the failing worker's code, not torchrun's 1
+    if worker == signals.PREEMPTED_EXIT_CODE or (worker is None and output.saved is not None):
+        logger.warning("%s", _preempted(output, str(log_path)))
+        return signals.PREEMPTED_EXIT_CODE
+    if signals.received():
+        logger.error("stopped by %s (node log: %s)", signal.Signals(signals.received()).name, log_path)
         return rc
     logger.error("%s", output.summary(rc, str(log_path)))
-    return output.worker_exit_code() or rc  # the failing worker's code, not torchrun's 1
+    return worker or rc
+
+
+def _preempted(output: TorchrunOutput, log: str) -> str:
+    """The one line of a preempted run: why, where the ranks saved, how to go on."""
+    got = signals.received()
+    reason = output.saved.reason if output.saved else "stopped"
+    reason = f"preempted ({signal.Signals(got).name})" if got else reason
+    at = f" at iteration {output.saved.iteration}" if output.saved else ""
+    return (
+        f"{reason}: the ranks saved a checkpoint{at} and exited {signals.PREEMPTED_EXIT_CODE}; "
+        f"run the same command again to resume from it (node log: {log})"
+    )
 
 
 def _console_ranks(mode: str, ctx: NodeContext) -> set[int] | None:
@@ -354,10 +319,13 @@ def run_srun(step: Step, req: Request, env: Mapping[str, str]) -> int:
             failures.append((m.group(1), m.group(2), int(m.group(3))))
 
     proc = _spawn(list(step.argv), child_env, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-    with _forwarding(proc):
+    with signals.forwarding(proc):
         assert proc.stderr is not None
-        rc = _exit_code(_pump(proc.stderr, proc, on_line))
-    if rc != 0 and failures and not _forwarder.received:
+        rc = signals.exit_code(_pump(proc.stderr, proc, on_line))
+    if rc == signals.PREEMPTED_EXIT_CODE:
+        logger.warning("the ranks saved and exited %d (resumable); run the same command again to resume", rc)
+        return rc
+    if rc != 0 and failures and not signals.received():
         node, task, code = failures[0]
         logger.error(
             "node %s (task %s) failed first with exit code %d; srun returned %d", node, task, code, rc
@@ -399,11 +367,11 @@ def follow(job_id: str, logs: list[Path], poll_s: float = 0.5) -> int:
         if not queued.stdout.strip():
             break
         time.sleep(poll_s)
-        if _forwarder.received:
+        if signals.received():
             logger.warning(
                 "stopped following job %s (it keeps running; scancel %s to stop it)", job_id, job_id
             )
-            return 128 + _forwarder.received
+            return 128 + signals.received()
     time.sleep(poll_s)
     drain()
     show = subprocess.run(
@@ -420,6 +388,7 @@ def follow(job_id: str, logs: list[Path], poll_s: float = 0.5) -> int:
 
 def execute(plan: LaunchPlan, req: Request, ctx: NodeContext, env: Mapping[str, str]) -> int:
     """Run the outermost step (it starts the rest); return the training's exit code."""
+    signals.prepare(env)
     first = plan.steps[0]
     if first.kind == "sbatch":
         job_id = submit_sbatch(first, env)

@@ -7,6 +7,11 @@ rank by default), a text several ranks print at once only once (an error every r
 none of torchrun's own lines unless the launcher logs at debug level. When the job fails,
 `summary()` is one line: the rank that failed first (torchrun's root-cause block), its exit code,
 its last error line and the node log.
+
+Two facts a preemption needs are read here too: whether torchrun reported a signal of its own
+(`signalled`: then the launcher sends it none), and the trainer's `<reason>: saved at iteration N;
+run the job again to resume` (`saved`), the only trace of the ranks' exit code 75 when torchrun
+itself was signalled: it then exits 1 with a traceback and no root-cause block.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ _ROOT_CAUSE = "Root Cause (first observed failure)"
 _ROOT_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _ERROR_LINE = re.compile(r"\b(\w*error|\w*exception|fatal)\b", re.IGNORECASE)
+_AGENT_SIGNALLED = re.compile(r"Received \S+ death signal|Got termination signal")
+_SAVED = re.compile(r"([^:\s][^:]*): saved at iteration (\d+); run the job again to resume")
 RECENT_LINES = 200
 """How far back a console line counts as already shown by another rank."""
 AGENT = -1
@@ -40,6 +47,15 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+@dataclass(frozen=True)
+class Saved:
+    """The trainer's report of a stop on request (preemption, time limit) after its checkpoint."""
+
+    reason: str
+    """`preempted (SIGTERM)`, `exit_duration_in_mins reached`."""
+    iteration: int
+
+
 class TorchrunOutput:
     """Routes each line (node log always, console sometimes) and remembers what a failure report needs."""
 
@@ -48,6 +64,9 @@ class TorchrunOutput:
         """Local ranks whose lines reach the console; None for all."""
         self.show_agent = show_agent
         self.failure: Failure | None = None
+        self.signalled = False
+        """torchrun logged that a signal reached it (it forwards it to the ranks by itself)."""
+        self.saved: Saved | None = None
         self._in_root_cause = False
         self._last_line: dict[int, str] = {}
         self._last_error: dict[int, str] = {}
@@ -61,7 +80,10 @@ class TorchrunOutput:
         self._remember(rank, text.strip())
         if m is None:
             self._parse_root_cause(line)
+            self.signalled = self.signalled or bool(_AGENT_SIGNALLED.search(line))
             return self.show_agent
+        if saved := _SAVED.search(text):
+            self.saved = Saved(reason=saved.group(1), iteration=int(saved.group(2)))
         if self.show is not None and rank not in self.show:
             return False
         if any(seen == text and other != rank for seen, other in self._recent):

@@ -82,3 +82,21 @@ def test_torchrun_output_signal_exit_codes_read_as_a_shell_would() -> None:
     out = TorchrunOutput({0}, show_agent=False)
     _feed(out, DUMP.replace("exitcode  : 3 (pid: 3231)", "exitcode  : -9 (pid: 3231)"))
     assert out.worker_exit_code() == 137
+
+
+def test_torchrun_output_reads_the_trainers_saved_line_from_any_rank() -> None:
+    out = TorchrunOutput({0}, show_agent=False)
+    line = (
+        "[default1]:[10:00:01 rank 1] WARNING megamoe.train: preempted (SIGTERM): saved at iteration 6; "
+        "run the job again to resume\n"
+    )
+    _feed(out, line)
+    assert out.saved is not None and (out.saved.reason, out.saved.iteration) == ("preempted (SIGTERM)", 6)
+
+
+def test_torchrun_output_notices_a_signal_torchrun_got_itself() -> None:
+    out = TorchrunOutput({0}, show_agent=False)
+    _feed(out, "[default0]:Received 15 death signal, shutting down workers\n")  # a rank's line: not torchrun
+    assert not out.signalled
+    _feed(out, "W1202 00:00:06.182000 2191 api.py:753] Received 15 death signal, shutting down workers\n")
+    assert out.signalled
