@@ -366,7 +366,9 @@ def _scheduler(cfg: PretrainConfig, plan: RunPlan, optimizer: Any) -> Any:
         wsd_decay_steps=decay_iters * gbs if o.lr_decay_style == "WSD" else None,
         lr_wsd_decay_style="linear" if o.lr_decay_style == "WSD" else None,
         override_opt_param_scheduler=o.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=o.use_checkpoint_opt_param_scheduler,
+        # megatron-core refuses both switches at once; the explicit override wins over the default
+        use_checkpoint_opt_param_scheduler=o.use_checkpoint_opt_param_scheduler
+        and not o.override_opt_param_scheduler,
     )
 
 

@@ -198,7 +198,7 @@ class OptimizerConfig:
     end_weight_decay: float | None = None
     weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
     override_opt_param_scheduler: bool = False
-    """On resume, use the config's LR/WD schedule instead of the checkpoint's."""
+    """On resume, use the config's LR/WD schedule instead of the checkpoint's (wins over the next key)."""
     use_checkpoint_opt_param_scheduler: bool = True
     """On resume, use the checkpoint's LR/WD schedule (megatron-core's default); with both false a
     schedule that differs from the checkpoint's stops the run."""

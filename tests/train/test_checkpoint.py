@@ -101,3 +101,22 @@ def test_schedule_differences_name_each_value() -> None:
         "lr_decay_iters or train_iters (in samples): config 640, checkpoint 320",
         "train_iters for the weight-decay schedule (in samples): config 640, checkpoint 320",
     ]
+
+
+@pytest.mark.parametrize(("override", "use_checkpoint"), [(False, True), (True, False)])
+def test_override_opt_param_scheduler_wins_over_the_default_checkpoint_schedule(
+    override: bool, use_checkpoint: bool
+) -> None:
+    """megatron-core asserts when both switches are on; ``--override_opt_param_scheduler true`` alone must work."""
+    import torch
+
+    from megamoe.train.convert import build_config
+    from megamoe.train.loop import _scheduler
+
+    cfg = build_config({}, {"override_opt_param_scheduler": override, "train_iters": 10})
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = _scheduler(cfg, SimpleNamespace(global_batch_size=4), optimizer)
+    assert (scheduler.override_opt_param_scheduler, scheduler.use_checkpoint_opt_param_scheduler) == (
+        override,
+        use_checkpoint,
+    )
