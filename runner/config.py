@@ -53,6 +53,12 @@ class SlurmOpts:
     """More srun/sbatch flags, written as on the command line (`--gres=gpu:8`)."""
     log_dir: str
     """Where sbatch scripts and per-node logs (`%x-%j-node%n.out`) go."""
+    signal_seconds: int | None
+    """sbatch: Slurm sends the batch script SIGUSR1 this many seconds before the time limit
+    (`--signal=B:USR1@<s>`); the ranks then save and exit 75. null = ask for no warning signal."""
+    requeue: bool
+    """sbatch: submit with `--requeue`, and a job whose ranks saved and exited 75 requeues itself
+    (it resumes from that checkpoint); false = the job ends with exit code 75."""
 
 
 @dataclass(kw_only=True, slots=True)
