@@ -3,7 +3,7 @@
 Shows where the layer's time goes and which kernels overlap, e.g. the wgrads' row gathers on their
 side stream beside the dgrad GEMMs::
 
-    python benchmarks/profile_layer.py --model DeepSeek-V3 [--routing uniform] [--precision bf16]
+    python -m benchmarks.profile_layer --model DeepSeek-V3 [--routing uniform] [--precision bf16]
 
 Prints one markdown row per kernel or copy: name, stream, start (ms from the first event) and
 duration, then the busy time per stream. Needs a CUDA GPU; ``--dry-run`` prints the plan only.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import click
 import torch
 
-from megamoe.bench import MODELS, make_routing
+from benchmarks.common import MODELS, make_routing
 
 
 def _layer_step(model: str, routing: str, precision: str):

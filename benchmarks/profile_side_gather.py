@@ -1,6 +1,6 @@
 """Where the side gather's cost beside a dgrad GEMM comes from, sample by sample, on one GPU.
 
-    PYTHONPATH=$PWD python3 benchmarks/profile_side_gather.py [--samples 100] [--json out.json] [--layer]
+    python -m benchmarks.profile_side_gather [--samples 100] [--json out.json] [--layer]
 
 At DeepSeek-V3's per-rank shape it times the dgrad GEMMs (``dgrad1``: ``dh @ W1``; ``dgrad2``: the
 dy-gathering ``dy[rows] @ W2``) ``--samples`` times alone and with each variant of :data:`VARIANTS`
@@ -30,13 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.common import MODELS, make_routing, time_interleaved
 from benchmarks.paced_writes import globaltimer_ns
 from megamoe.backends.triton import side_gather, tma_rows
 from megamoe.backends.triton.configs import gemm_config, num_programs
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
 from megamoe.backends.triton.routing import build_routing_plan
 from megamoe.backends.triton.side_gather import BLOCK_H, BLOCK_R, NUM_WARPS, copy_rows_streaming
-from megamoe.bench import MODELS, _time_interleaved, make_routing
 
 FIXED, COUNTER, PACED, SCATTER, EMPTY, LOADS, STORES, SPIN, TMA = range(9)
 """the modes of :func:`_traced_gather_kernel`; TMA: ``tma_rows``' kernel instead (no timeline)"""
@@ -324,7 +324,7 @@ def _layer_ab(device: torch.device) -> dict[str, float]:
 
     grads = [x, tw, w1, w2]
     cases = [(lambda g=g: step(g), grads) for g in LAYER_GATHERS.values()]
-    return dict(zip(LAYER_GATHERS, _time_interleaved(cases), strict=True))
+    return dict(zip(LAYER_GATHERS, time_interleaved(cases), strict=True))
 
 
 def main() -> None:

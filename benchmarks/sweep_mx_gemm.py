@@ -1,6 +1,6 @@
 """Sweep of the MXFP8 GEMM tiles against the bf16 grouped GEMM on one GPU (issue 8's speed).
 
-    PYTHONPATH=$PWD python3 benchmarks/sweep_mx_gemm.py --out mx_sweep.json
+    python -m benchmarks.sweep_mx_gemm --out mx_sweep.json
 
 At DeepSeek-V3's per-rank shapes (T 8192, top-8, 32 experts uniform: R = 65536 expert-sorted rows,
 H 7168, I 2048) it times with ``triton.testing.do_bench`` (median ms):

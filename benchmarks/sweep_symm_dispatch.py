@@ -1,8 +1,8 @@
 """Where the forward dispatch + GEMM1 op of the fused multi-GPU path spends its time (issue 7).
 
-    PYTHONPATH=$PWD python3 benchmarks/sweep_symm_dispatch.py --num-processes 2 [--out sweep.json]
+    python -m benchmarks.sweep_symm_dispatch --num-processes 2 [--out sweep.json]
 
-``python -m megamoe.bench --mode dispatch_grouped_gemm`` times the whole op; this splits it, at the
+``python -m benchmarks.bench --mode dispatch_grouped_gemm`` times the whole op; this splits it, at the
 DeepSeek-V3 per-rank shape (T 8192, top-8, 32 local experts per rank, H 7168, I 2048), uniform
 routing, one process per GPU, slowest rank's median of 20 samples of 3 back-to-back calls:
 
@@ -21,7 +21,7 @@ then the timeline of one kernel on rank 0 in the environment's dispatch mode (se
 GPU's global timer in every program): when the comm programs are done, when the GEMM programs run
 out of fixed-stride tiles, who takes the counter tiles, when the last program ends. With
 ``--gpu-events``, rank 0 also profiles every fused op of the EP path and its GEMM-only leg
-(``megamoe.bench_ep.op_legs``; torch.profiler, three back-to-back calls each): per kernel or copy its
+(``benchmarks.bench_ep.op_legs``; torch.profiler, three back-to-back calls each): per kernel or copy its
 stream, calls and mean time, and the op's span, which shows where an op's time over its GEMM goes
 (copies on the copy engines or SMs, side kernels, small kernels before and after).
 
@@ -52,12 +52,11 @@ KNOBS = (
 
 
 def _legs(world: int) -> list[tuple[str, float]]:
+    from benchmarks.common import MODELS, rank_inputs, time_collective
     from megamoe.backends.symm import launch
     from megamoe.backends.symm.backend import SymmBackend
-    from megamoe.bench import MODELS
-    from megamoe.bench_ep import _inputs, time_collective
 
-    x, idx, tw, w1, _ = _inputs(MODELS["DeepSeek-V3"], "uniform", world, dist.get_rank())
+    x, idx, tw, w1, _ = rank_inputs(MODELS["DeepSeek-V3"], "uniform", world, dist.get_rank())
     sb = SymmBackend()
     E = w1.shape[0] * world
     plan = sb.make_plan(idx, num_experts=E, group=dist.group.WORLD)
@@ -121,12 +120,11 @@ def _legs(world: int) -> list[tuple[str, float]]:
 def _timeline(world: int) -> list[str]:
     """Per-program timeline of one fused kernel (``MEGAMOE_SYMM_TRACE=1``), this rank; ms from the first
     program's start: the spread of each event over the programs."""
+    from benchmarks.common import MODELS, rank_inputs
     from megamoe.backends.symm import launch
     from megamoe.backends.symm.backend import SymmBackend
-    from megamoe.bench import MODELS
-    from megamoe.bench_ep import _inputs
 
-    x, idx, tw, w1, _ = _inputs(MODELS["DeepSeek-V3"], "uniform", world, dist.get_rank())
+    x, idx, tw, w1, _ = rank_inputs(MODELS["DeepSeek-V3"], "uniform", world, dist.get_rank())
     sb = SymmBackend()
     E, lines = w1.shape[0] * world, []
     for label, env, push in (
@@ -197,8 +195,8 @@ def _gpu_events(world: int) -> list[str]:
     """Every fused op of the EP path (the environment's dispatch mode) and its GEMM-only leg, three
     back-to-back calls each under torch.profiler (this rank): per kernel or copy, its stream, calls and
     mean ms, and the span of the three calls divided by three."""
-    from megamoe.bench import MODELS
-    from megamoe.bench_ep import op_legs
+    from benchmarks.bench_ep import op_legs
+    from benchmarks.common import MODELS
 
     rows = []
     for mode in ("dispatch_grouped_gemm", "grouped_gemm_combine"):

@@ -1,10 +1,10 @@
 """Tile-configuration sweep of the expert path's GEMMs on one GPU, against ``torch._grouped_mm``.
 
-    PYTHONPATH=$PWD python3 benchmarks/sweep_tiles.py --out tiles.json [--ops gemm1,gemm2,dgrad1,dgrad2,wgrad]
+    python -m benchmarks.sweep_tiles --out tiles.json [--ops gemm1,gemm2,dgrad1,dgrad2,wgrad]
 
-For each model's per-rank shape (``megamoe.bench.MODELS``, uniform routing) and each op it times
+For each model's per-rank shape (``benchmarks.common.MODELS``, uniform routing) and each op it times
 ``torch._grouped_mm`` on the same rows and our kernel under every candidate of :data:`CANDIDATES`, in
-the interleaved rounds of ``megamoe.bench`` (so the card's clock drift falls on every candidate
+the interleaved rounds of ``benchmarks.bench`` (so the card's clock drift falls on every candidate
 alike), and compares each candidate's output bit for bit with the default's (tile shapes change
 neither the order of a sum nor an epilogue's formula). The ops, as the layer runs them:
 
@@ -42,13 +42,13 @@ from collections.abc import Callable
 import torch
 import triton
 
+from benchmarks.common import MODELS, make_routing, time_interleaved
 from benchmarks.paced_writes import PacedWrites
 from megamoe.backends.triton.configs import gemm_config, num_programs, wgrad_config
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
 from megamoe.backends.triton.routing import build_routing_plan
 from megamoe.backends.triton.side_gather import RowGather
 from megamoe.backends.triton.wgrad import grouped_wgrad
-from megamoe.bench import MODELS, _time_interleaved, make_routing
 
 # candidate name: overrides of the op's default config (all compile for sm_90a without spills
 # within 227 KB of shared memory)
@@ -227,7 +227,7 @@ def _sweep(op: str, model: str, device: torch.device, beside: list[str], inbound
     cases += [
         (key, kind, fn) for (key, kind), fn in _beside_legs(alone, beside, traffic, inbound_scale).items()
     ]
-    samples = _time_interleaved([(fn, []) for _, _, fn in cases])
+    samples = time_interleaved([(fn, []) for _, _, fn in cases])
     times = {(key, kind): ms for (key, kind, _), ms in zip(cases, samples, strict=True)}
     rows = []
     for (key, kind), ms in times.items():

@@ -1,6 +1,6 @@
 """End to end on one node: ``train pretrain`` with MegaMoE on, then off, in one script; one table.
 
-    python3 benchmarks/train_ep2_megamoe_vs_alltoall.py [--out DIR] [--gpus N] [--train-iters N]
+    python -m benchmarks.train_ep2_megamoe_vs_alltoall [--out DIR] [--gpus N] [--train-iters N]
         [--timeout-s S] [--only megamoe|alltoall] [--tiny] [--dry-run] [-- trainer overrides ...]
 
 Each variant is a fresh ``primus-cli direct -- train pretrain --config <experiment>`` (run as

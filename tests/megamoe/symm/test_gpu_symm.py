@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.quant.accuracy import cosine, snr_db
+from benchmarks.accuracy import cosine, snr_db
 from tests._dist import run_ranks
 from tests.megamoe.cuda_graphs import capture
 

@@ -9,7 +9,7 @@ then cannot be compiled), from the repository root: ``python -m tests.megamoe.tr
 A launch is described as the launcher calls the kernel: every argument by name, with tensors as their
 pointer type (``"*bf16"``, taken 16-byte aligned), TMA descriptors as their ``tensordesc<...>`` type,
 ``None`` for an absent tensor, and integers by their value at DeepSeek-V3's per-rank bench shape
-(``megamoe.bench.MODELS``), specialised as Triton 3.6 does at launch (1 is a constexpr, a multiple of
+(``benchmarks.common.MODELS``), specialised as Triton 3.6 does at launch (1 is a constexpr, a multiple of
 16 gets the divisibility hint). Tile shapes come from ``configs.gemm_config``/``wgrad_config`` for a
 CUDA device; the other constexprs are the launchers' formulas, restated here (the launcher is named).
 """
@@ -31,6 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
+from benchmarks.common import MODELS
 from megamoe.backends.triton import tma_rows
 from megamoe.backends.triton.combine import _combine_kernel
 from megamoe.backends.triton.configs import gemm_config, wgrad_config
@@ -50,7 +51,6 @@ from megamoe.backends.triton.side_gather import _gather_rows_kernel
 from megamoe.backends.triton.swiglu import _swiglu_backward_kernel, _swiglu_forward_kernel
 from megamoe.backends.triton.tma_rows import _tma_gather_rows_kernel
 from megamoe.backends.triton.wgrad import _wgrad_kernel
-from megamoe.bench import MODELS
 
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 CUDA = torch.device("cuda")  # only its type is read: the config functions pick the GPU tiles

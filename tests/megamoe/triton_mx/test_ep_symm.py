@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.quant.accuracy import snr_db
+from benchmarks.accuracy import snr_db
 from tests._dist import run_ranks
 from tests.megamoe.triton_mx.test_backend import GRADS, _case
 

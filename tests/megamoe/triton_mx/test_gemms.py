@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.accuracy import snr_db
 from megamoe.backends.triton.configs import block_m, num_programs
 from megamoe.backends.triton.routing import build_routing_plan
 from megamoe.backends.triton_mx.configs import gemm_config, wgrad_config
@@ -19,7 +20,6 @@ from megamoe.backends.triton_mx.grouped_gemm import mx_grouped_gemm
 from megamoe.backends.triton_mx.quantize_rows import quantize_rows
 from megamoe.backends.triton_mx.quantize_segments import quantize_segments, segment_block_starts
 from megamoe.backends.triton_mx.wgrad import mx_wgrad
-from megamoe.quant.accuracy import snr_db
 from megamoe.quant.mx import fake_quantize_mx, quantize_mx
 from tests.megamoe.triton_mx.test_quantize import DEVICE
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from megamoe.quant.accuracy import snr_db
+from benchmarks.accuracy import snr_db
 from tests._dist import run_ranks
 from tests.megamoe.symm.test_gpu_symm import (
     GRADS,

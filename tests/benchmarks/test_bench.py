@@ -6,7 +6,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from megamoe.bench import main
+from benchmarks.bench import main
 
 
 def test_bench_dry_run_lists_cases_without_a_gpu():
@@ -34,7 +34,7 @@ def test_bench_without_gpu_says_so():
 def test_bench_cases_run_forward_backward_and_ours_runs_no_swiglu_pass(mode, monkeypatch):
     """Stage 1 computes SwiGLU in GEMM1's epilogue and stage 2 takes it: no separate SwiGLU pass is
     timed in any mode (tiny bf16 shape, Triton kernels under the interpreter)."""
-    from megamoe import bench
+    from benchmarks import bench
     from megamoe.backends.triton import ops
 
     passes = []

@@ -3,7 +3,7 @@
 One random problem (Gaussian tokens and output gradient, weights scaled by 1/sqrt(fan-in), random
 top-k routing with softmax weights) runs three ways through :func:`megamoe.fused_mega_moe`: float64
 (the truth), bf16 (``precision="bf16"``) and bf16 with ``precision="mxfp8"``. The figures in
-``docs/mxfp8.md`` come from ``python -m megamoe.quant.accuracy``; on a GPU, ``--device cuda
+``docs/mxfp8.md`` come from ``python -m benchmarks.accuracy``; on a GPU, ``--device cuda
 --backend triton`` measures a kernel backend the same way.
 """
 
@@ -16,7 +16,7 @@ import click
 import torch
 from torch import Tensor
 
-from megamoe.ops import fused_mega_moe
+from megamoe import fused_mega_moe
 
 OUTPUTS = ("y", "dx", "dw1", "dw2")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from megamoe.quant.accuracy import cosine, main, snr_db
+from benchmarks.accuracy import cosine, main, snr_db
 
 TINY = ["--tokens", "64", "--hidden", "64", "--inter", "32", "--experts", "4", "--topk", "2"]
 

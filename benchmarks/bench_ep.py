@@ -1,4 +1,4 @@
-"""Multi-GPU benchmark of the fused expert-parallel path (``python -m megamoe.bench --num-processes N``).
+"""Multi-GPU benchmark of the fused expert-parallel path (``python -m benchmarks.bench --num-processes N``).
 
 One process per GPU of one node (NCCL for the baselines, symmetric memory for ours). Each rank runs
 a model's per-rank work (T tokens, top-K over ``N x G`` experts, G local experts) and times, per
@@ -14,27 +14,35 @@ fused op of the expert path:
   computed once outside the timing, which flatters the serial path).
 
 Each op's sample is ``OP_CALLS_PER_SAMPLE`` back-to-back calls, enqueued while a spin kernel holds the
-GPU (:func:`time_collective`), so the host's launch latency (stage 1 starts with its routing tables,
-the count exchange and the layout) is not counted as device time, for either path.
+GPU (:func:`benchmarks.common.time_collective`), so the host's launch latency (stage 1 starts with its
+routing tables, the count exchange and the layout) is not counted as device time, for either path.
 
 ``--mode layer`` times ``fused_mega_moe`` forward + backward against the NCCL all-to-all +
 ``torch._grouped_mm`` pipeline (the split sizes read on the host each step, as megatron's
 all-to-all dispatcher does). Every time is the median of CUDA-event-timed repeats after warm-up,
 and the slowest rank's median is reported; the legs of one comparison are timed in interleaved
-rounds (:func:`time_collective_interleaved`).
+rounds (:func:`benchmarks.common.time_collective_interleaved`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from benchmarks.common import (
+    MODELS,
+    ModelShape,
+    peak_gib,
+    rank_inputs,
+    time_collective,
+    time_collective_interleaved,
+)
 
 _NO_MULTICAST = {
     "NCCL_NVLS_ENABLE": "0",
@@ -45,9 +53,6 @@ _NO_MULTICAST = {
 
 OP_CALLS_PER_SAMPLE = 3
 """back-to-back calls per timed sample of one fused op (its legs and its serial path alike)."""
-HOLD_CYCLES = 10_000_000
-"""GPU clock cycles a spin kernel holds the stream before each sample's start event (~5 ms at the
-H200's 1.98 GHz): the host enqueues the sample's calls meanwhile, so the GPU never waits for it."""
 
 
 @dataclass(slots=True)
@@ -79,63 +84,9 @@ class LayerResult:
     peak_gib: float
 
 
-def time_collective(
-    fn: Callable[[], object], *, warmup: int = 5, repeats: int = 20, calls_per_sample: int = 1
-) -> float:
-    """:func:`time_collective_interleaved` of one function."""
-    return time_collective_interleaved(
-        [fn], warmup=warmup, repeats=repeats, calls_per_sample=calls_per_sample
-    )[0]
-
-
-def time_collective_interleaved(
-    fns: list[Callable[[], object]],
-    *,
-    warmup: int = 5,
-    repeats: int = 20,
-    calls_per_sample: int = 1,
-    rounds: int = 5,
-) -> list[float]:
-    """Median ms of each of ``fns`` over ``repeats`` event-timed samples on every rank; the slowest
-    rank's median. The samples are taken in ``rounds`` rounds that visit every function in turn, so
-    the card's clock drift (power-capped, it slows as it warms) falls on the legs of one comparison
-    alike instead of on whichever was timed last.
-
-    A sample is ``calls_per_sample`` back-to-back calls divided by that count, timed from the end of a
-    spin kernel (:data:`HOLD_CYCLES`) during which the host enqueues them: as in a training step, where
-    the host runs ahead of the GPU, the device time is measured, not the host's launch latency (about
-    1.7 ms of Python and launches before the fused kernel of a lone stage-1 op on an idle GPU). A path
-    that syncs with the host inside (the baseline layer reads its split sizes) waits out the spin
-    there, as it would wait for the previous layer in training. Fixed counts (not ``do_bench``'s
-    adaptive ones) because every rank must make the same calls.
-    """
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for fn, samples in zip(fns, times, strict=True):
-            for _ in range(-(-repeats // rounds)):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(HOLD_CYCLES)
-                start.record()
-                for _ in range(calls_per_sample):
-                    fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / calls_per_sample)
-    medians = torch.tensor([statistics.median(t) for t in times], device="cuda")
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    return medians.tolist()
-
-
-def _peak_gib(fn: Callable[[], object]) -> float:
+def _max_peak_gib(fn: Callable[[], object]) -> float:
     """Peak memory of ``fn`` above what was allocated before it, the largest over the ranks."""
-    from megamoe.bench import _peak_gib as local_peak_gib
-
-    peak = torch.tensor([local_peak_gib(fn)], device="cuda")
+    peak = torch.tensor([peak_gib(fn)], device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return float(peak.item())
 
@@ -165,20 +116,6 @@ def baseline_ep_layer(
     return x.new_zeros(x.shape).index_add(0, ex.send_tokens_S, back * w)
 
 
-def _inputs(shape, routing: str, world: int, rank: int):
-    from megamoe.bench import ModelShape, make_routing
-
-    torch.manual_seed(rank)
-    T, H, I, G, K = shape.tokens, shape.hidden, shape.inter, shape.experts, shape.topk
-    global_shape = ModelShape(hidden=H, inter=I, experts=G * world, topk=K, tokens=T)
-    idx, tw = make_routing(global_shape, routing, device=torch.device("cuda"), seed=rank)
-    dt = torch.bfloat16
-    x = torch.randn(T, H, device="cuda", dtype=dt)
-    w1 = torch.randn(G, 2 * I, H, device="cuda", dtype=dt) / H**0.5
-    w2 = torch.randn(G, H, I, device="cuda", dtype=dt) / I**0.5
-    return x, idx, tw, w1, w2
-
-
 @dataclass(frozen=True, slots=True)
 class OpLegs:
     """One fused op of the EP path as the benchmark runs it: the op itself and its legs (module docstring).
@@ -200,7 +137,9 @@ class OpLegs:
         return "dispatch" in self.stage
 
 
-def op_legs(shape, routing: str, group, mode: str) -> tuple[list[OpLegs], Callable[[], object], list[str]]:
+def op_legs(
+    shape: ModelShape, routing: str, group, mode: str
+) -> tuple[list[OpLegs], Callable[[], object], list[str]]:
     """The fused ops of ``mode`` on this rank's inputs at ``shape``, the (local) wgrads, and the dispatch
     modes the EP group's workspace supports (broadcast only where it was allocated for it: broadcast
     mode when it was built, the default at EP = 2).
@@ -218,7 +157,7 @@ def op_legs(shape, routing: str, group, mode: str) -> tuple[list[OpLegs], Callab
     from megamoe.backends.triton.wgrad import grouped_wgrad
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    x, idx, tw, w1, w2 = _inputs(shape, routing, world, rank)
+    x, idx, tw, w1, w2 = rank_inputs(shape, routing, world, rank)
     E = w1.shape[0] * world
     sb = SymmBackend()
     plan = sb.make_plan(idx, num_experts=E, group=group)
@@ -386,7 +325,7 @@ def op_legs(shape, routing: str, group, mode: str) -> tuple[list[OpLegs], Callab
     return (dispatch_ops if mode == "dispatch_grouped_gemm" else combine_ops), wgrad, modes
 
 
-def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[StageResult]:
+def bench_stages(name: str, shape: ModelShape, routing: str, group, mode: str) -> list[StageResult]:
     """T_comm, T_gemm, T_measured and the serial time of the fused ops of ``mode`` (:func:`op_legs`);
     with ``grouped_gemm_combine`` also the wgrads. Every op that moves rows to the experts is timed in
     every dispatch mode the workspace supports."""
@@ -420,13 +359,15 @@ def bench_stages(name: str, shape, routing: str, group, mode: str) -> list[Stage
     return results
 
 
-def bench_layer(name: str, shape, routing: str, group, precision: str = "bf16") -> list[LayerResult]:
+def bench_layer(
+    name: str, shape: ModelShape, routing: str, group, precision: str = "bf16"
+) -> list[LayerResult]:
     """``fused_mega_moe`` forward + backward against the NCCL all-to-all + ``_grouped_mm`` pipeline;
     with ``precision="mxfp8"`` the MXFP8 path over symmetric memory too (weights re-quantised every call)."""
     from megamoe import fused_mega_moe
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    x, idx, tw, w1, w2 = _inputs(shape, routing, world, rank)
+    x, idx, tw, w1, w2 = rank_inputs(shape, routing, world, rank)
     leaves = [t.requires_grad_() for t in (x, tw, w1, w2)]
     dy = torch.randn_like(x)
 
@@ -444,7 +385,7 @@ def bench_layer(name: str, shape, routing: str, group, precision: str = "bf16") 
     ]
     out = []
     for impl, step, ms in zip(impls, steps, time_collective_interleaved(steps), strict=True):
-        out.append(LayerResult(name, routing, impl, ms, flops / (ms * 1e-3) / 1e12, _peak_gib(step)))
+        out.append(LayerResult(name, routing, impl, ms, flops / (ms * 1e-3) / 1e12, _max_peak_gib(step)))
         for leaf in leaves:
             leaf.grad = None
     return out
@@ -487,8 +428,6 @@ def _worker(
     out: str | None,
     precision: str,
 ) -> None:
-    from megamoe.bench import MODELS
-
     os.environ.update(_NO_MULTICAST)
     torch.cuda.set_device(rank)
     dist.init_process_group(

@@ -1,6 +1,6 @@
 """Benchmark of the expert path on one GPU: MegaMoE's Triton backend against the torchtitan-style pipeline.
 
-    python -m megamoe.bench --mode dispatch_grouped_gemm|grouped_gemm_combine|layer \\
+    python -m benchmarks.bench --mode dispatch_grouped_gemm|grouped_gemm_combine|layer \\
         --models DeepSeek-V3,Qwen3-30B-A3B,Qwen3-235B-A22B [--routing uniform,skewed] [--fwd-only]
 
 Each model runs the per-rank work of EP8 on one GPU (its local experts, all tokens of the rank, so
@@ -22,54 +22,15 @@ an epilogue against a bare ``torch._grouped_mm``, and with its SwiGLU epilogue a
 from __future__ import annotations
 
 import json
-import statistics
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import click
 import torch
 from torch import Tensor
 
-from megamoe.errors import InvalidConfigError
+from benchmarks.common import MODELS, ModelShape, make_routing, peak_gib, time_interleaved
 
 MODES = ("dispatch_grouped_gemm", "grouped_gemm_combine", "layer")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """The expert path of one EP8 rank: hidden, intermediate, local experts, top-k, tokens."""
-
-    hidden: int
-    inter: int
-    experts: int
-    topk: int
-    tokens: int
-
-
-MODELS = {
-    "DeepSeek-V3": ModelShape(hidden=7168, inter=2048, experts=32, topk=8, tokens=8192),
-    "Qwen3-30B-A3B": ModelShape(hidden=2048, inter=768, experts=128, topk=8, tokens=16384),
-    "Qwen3-235B-A22B": ModelShape(hidden=4096, inter=1536, experts=16, topk=8, tokens=8192),
-}
-
-
-def make_routing(
-    shape: ModelShape, routing: str, *, device: torch.device, seed: int = 0
-) -> tuple[Tensor, Tensor]:
-    """``topk_idx, topk_weights [T, K]``: K distinct experts per token, uniform or Zipf-skewed popularity."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    T, E, K = shape.tokens, shape.experts, shape.topk
-    gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=g, device=device).clamp_min(1e-20)))
-    if routing == "skewed":
-        # popularity ~ 1/rank^1.2 over a random permutation: the hottest expert gets several times
-        # the mean load and the coldest a small fraction of it.
-        rank = torch.randperm(E, generator=g, device=device).float() + 1
-        gumbel = gumbel - 1.2 * torch.log(rank)
-    elif routing != "uniform":
-        raise InvalidConfigError("--routing", routing, "unknown", "Use uniform or skewed")
-    idx = gumbel.topk(K, dim=1).indices
-    weights = torch.softmax(torch.randn(T, K, generator=g, device=device), dim=1)
-    return idx, weights
 
 
 def baseline_layer(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
@@ -129,35 +90,6 @@ class Result:
     ms: float
     tflops: float
     peak_gib: float
-
-
-ROUNDS = 10  # interleaved rounds of a comparison
-ROUND_MS = 60  # time budget of one implementation's repeats in one round
-
-
-def _time_interleaved(cases: list[tuple[Callable[[], object], list[Tensor]]]) -> list[float]:
-    """Median ms of each ``(fn, grads_to_reset)`` over :data:`ROUNDS` rounds that time them in turn.
-
-    Timing A's repeats, then B's, would charge the card's clock drift (a power-capped H200 runs
-    5-15 % slower once warm) to B; alternating spreads it over both."""
-    from triton.testing import do_bench
-
-    samples: list[list[float]] = [[] for _ in cases]
-    for fn, grads in cases:  # warm-up and compile outside the timed rounds
-        do_bench(fn, warmup=25, rep=1, grad_to_none=grads)
-    for _ in range(ROUNDS):
-        for times, (fn, grads) in zip(samples, cases, strict=True):
-            times.append(do_bench(fn, warmup=1, rep=ROUND_MS, grad_to_none=grads, return_mode="median"))
-    return [statistics.median(times) for times in samples]
-
-
-def _peak_gib(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def _cases(mode: str, shape: ModelShape, routing: str, device: torch.device, precision: str = "bf16"):
@@ -243,8 +175,8 @@ def _gemm1_alone(shape: ModelShape, routing: str, device: torch.device) -> list[
         gate, up = torch._grouped_mm(x_sorted, w1_t, offs=offs).chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
-    kernel = _time_interleaved([(plain, []), (lambda: torch._grouped_mm(x_sorted, w1_t, offs=offs), [])])
-    as_run = _time_interleaved(
+    kernel = time_interleaved([(plain, []), (lambda: torch._grouped_mm(x_sorted, w1_t, offs=offs), [])])
+    as_run = time_interleaved(
         [(lambda: ops.gemm1_forward(x, w1, shape.topk, *plan.tables()), []), (grouped_mm_swiglu, [])]
     )
     names = (
@@ -282,11 +214,9 @@ def run(
                     phases["fwd+bwd"].append((fwd_bwd, leaves))
             for phase, timed in phases.items():
                 mult = 1 if phase == "fwd" else 3
-                for (impl, _, leaves), (fn, _), ms in zip(
-                    cases, timed, _time_interleaved(timed), strict=True
-                ):
+                for (impl, _, leaves), (fn, _), ms in zip(cases, timed, time_interleaved(timed), strict=True):
                     tflops = mult * _flops(mode, shape, rows) / (ms * 1e-3) / 1e12
-                    results.append(Result(name, routing, mode, phase, impl, ms, tflops, _peak_gib(fn)))
+                    results.append(Result(name, routing, mode, phase, impl, ms, tflops, peak_gib(fn)))
                     for leaf in leaves:
                         leaf.grad = None
             if mode == "dispatch_grouped_gemm" and precision == "bf16":
@@ -342,7 +272,7 @@ def _split(value: str) -> list[str]:
     default=1,
     show_default=True,
     help="GPUs of this node, one process each: >1 benchmarks the fused expert-parallel path at EP=N "
-    "(megamoe.bench_ep: T_comm, T_gemm, overlap and the serial NCCL path per op; --mode layer against "
+    "(benchmarks.bench_ep: T_comm, T_gemm, overlap and the serial NCCL path per op; --mode layer against "
     "NCCL all-to-all + torch._grouped_mm)",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write every result here")
@@ -381,7 +311,7 @@ def main(
     if not torch.cuda.is_available():
         raise click.ClickException("the benchmark needs a CUDA GPU (torch.cuda.is_available() is False)")
     if num_processes > 1:
-        from megamoe import bench_ep
+        from benchmarks import bench_ep
 
         bench_ep.run(num_processes, mode, names, routing_list, json_path, precision)
         return

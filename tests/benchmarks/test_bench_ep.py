@@ -1,12 +1,12 @@
-"""``megamoe.bench_ep``'s bookkeeping on the CPU: which leg's time lands in which column (the timings
+"""``benchmarks.bench_ep``'s bookkeeping on the CPU: which leg's time lands in which column (the timings
 themselves need GPUs; test_gpu_symm.py and docs/benchmarks.md have those)."""
 
 from __future__ import annotations
 
 import pytest
 
-from megamoe import bench_ep
-from megamoe.bench_ep import OpLegs, StageResult, format_stages
+from benchmarks import bench_ep
+from benchmarks.bench_ep import OpLegs, StageResult, format_stages
 
 
 def _op(stage: str, variants: tuple = ()) -> OpLegs:
