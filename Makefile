@@ -55,7 +55,7 @@ unit: $(VENV)/.stamp lint  ## the fast loop: no Slurm, no containers, no slow te
 	$(PY) -m pytest -m "not slow and not slurm and not container" $(PYTEST_ARGS)
 
 bench: $(VENV)/.stamp  ## GPU benchmark of the expert path against torch._grouped_mm
-	$(PY) -m megamoe.bench --mode layer --models DeepSeek-V3,Qwen3-30B-A3B,Qwen3-235B-A22B
+	$(PY) -m benchmarks.bench --mode layer --models DeepSeek-V3,Qwen3-30B-A3B,Qwen3-235B-A22B
 
 image-cpu:  ## build the CPU image (podman or docker)
 	images/build.sh cpu
