@@ -1,8 +1,9 @@
 """Launch configurations of the Triton kernels, chosen from static shapes only (no autotuning).
 
 Autotuning would time kernels on the first call, which is a host sync and breaks CUDA-graph capture;
-the table below won the tile sweeps on one H200 at the three bench shapes (docs/kernels.md). Under ``TRITON_INTERPRET=1`` on the CPU
-the tiles are tiny so the logic tests stay fast.
+the table below won the tile sweeps on one H200 at the three bench shapes
+(docs/benchmarks.md#every-gemm-at-its-default-tiles). Under ``TRITON_INTERPRET=1`` on the CPU the
+tiles are tiny so the logic tests stay fast.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ BLOCK_M_CPU = 16
 
 _GPU = {
     # op: BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M (M tiles per swizzle group). GEMM1's
-    # GROUP_M 4 was 0.2-2.5 % faster than 8 at all three bench shapes in a first interleaved sweep,
-    # equal within the noise in a second (benchmarks/sweep_tiles.py; docs/benchmarks.md)
+    # GROUP_M 4 against 8: docs/history/kernels.md#tile-candidates-and-the-swizzle-group
     "gemm1": (256, 64, 8, 3, 4),
     "gemm2": (256, 64, 8, 3, 8),
     "dgrad1": (256, 64, 8, 3, 8),

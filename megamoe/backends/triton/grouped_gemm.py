@@ -25,10 +25,9 @@ separate pass (``swiglu.swiglu_tile``), so ``act`` has the bits that pass would 
 
 Rows past a tile's segment end are never stored (they belong to the next expert's tile), so no
 expert is padded in memory. B is read through a rank-3 TMA descriptor ``[G, N, K]`` whose bounds
-zero-fill ragged K and N. The row gather (A_MODE 1, GEMM1's fused dispatch) measured faster on an
-H200 than TMA loads of a pre-gathered copy (782 against 681 TFLOP/s at DeepSeek-V3's GEMM1, one
-sweep), so the
-forward never materialises the dispatched ``x``.
+zero-fill ragged K and N. The row gather (A_MODE 1, GEMM1's fused dispatch) measured faster than TMA loads
+of a pre-gathered copy (docs/kernels.md#measurements-that-chose-the-design), so the forward never
+materialises the dispatched ``x``.
 """
 
 from __future__ import annotations

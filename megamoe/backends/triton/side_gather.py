@@ -1,9 +1,9 @@
 """A transient row gather that runs beside the next GEMM instead of before it.
 
 Backward needs ``x`` and ``dy`` in expert order for the TMA-fed weight gradients (row-gathered
-operands cost the wgrad a third of its speed, docs/kernels.md). Each gather is memory-bound (0.45 ms
-at DeepSeek-V3's per-rank shape on an H200), while the grouped GEMM before the wgrad is
-compute-bound and persistent: one 8-warp program per SM holding at most ``GEMM_REGISTER_CAP``
+operands slow the wgrad: docs/kernels.md#measurements-that-chose-the-design). Each gather is
+memory-bound (docs/history/kernels.md#the-backwards-row-gathers), while the grouped GEMM before the
+wgrad is compute-bound and persistent: one 8-warp program per SM holding at most ``GEMM_REGISTER_CAP``
 registers a thread (56K of the SM's 64K) and ~180 KB of its shared memory, with warp slots and DRAM
 bandwidth to spare. The gather here is persistent too, and small enough to fit beside it: on Hopper
 one warp a program that only issues TMA copies (:mod:`.tma_rows`: ~34 registers, 16.5 KB of shared
@@ -12,7 +12,7 @@ thread (both checked by the sm_90a compile tests; a GEMM over the cap gets it as
 Launched on a side stream around the GEMM's launch, it runs in those gaps in whichever order the
 hardware starts the two.
 torch's ``index_select`` does not: its thousands of blocks, started first, fill every SM and the GEMM
-waits for all of them (measured on an H200).
+waits for all of them (docs/history/kernels.md#beside-the-dgrads).
 
 Usage, all inside one op (every gather started is joined before the op returns, so nothing the side
 stream reads or writes outlives the op's stream order)::
@@ -90,9 +90,8 @@ def gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor) -> None:
 
     The programs take row blocks from a counter rather than a fixed share each: beside a persistent GEMM
     some programs run slower than others, and a fixed share left the GEMM's op waiting for the slowest
-    (an H200 at DeepSeek-V3, ``benchmarks/profile_side_gather.py``, six runs: dgrad1 + gather 0.25-0.45
-    ms over dgrad1 alone on average and up to 3.5 ms over, against 0.15-0.25 and at most 1.1 with the
-    counter; 0.07-0.20 with the TMA gather).
+    (``benchmarks/profile_side_gather.py``;
+    docs/history/kernels.md#what-a-row-copy-costs-beside-a-persistent-gemm).
     """
     R, H = out_RH.shape
     if R == 0 or H == 0:

@@ -12,10 +12,10 @@ Legend: R rows (expert-sorted; rows ``>= valid`` are padding), I intermediate, h
 The forward also runs in GEMM1's epilogue (grouped_gemm.py), through :func:`swiglu_tile`, the one
 formula both use, so the two give the same bits; this pass serves the fused EP kernels
 (``backends/symm``) and a stage 2 handed an ``h`` without its activation. Why the backward and GEMM2's
-side are not fused: measured on an H200, computing SwiGLU in GEMM2's operand load (A from registers)
-ran GEMM2 at ~270 TFLOP/s instead of ~640 with a TMA-fed A, and the SwiGLU-backward epilogue on
-GEMM2-dgrad (four live [128, 128] fp32 tiles) dropped it from ~680 to ~300; one extra pass over
-``[R, 2I]`` costs far less (see docs/kernels.md).
+side are not fused: computing SwiGLU in GEMM2's operand load (A from registers, instead of a TMA-fed
+A) and the SwiGLU-backward epilogue on GEMM2-dgrad (four live [128, 128] fp32 tiles) each slow that
+GEMM by far more than one extra pass over ``[R, 2I]`` costs (measured in
+docs/kernels.md#measurements-that-chose-the-design).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The side gather's rows moved by the TMA unit (Hopper and later), in Gluon: no row through registers.
 
-Beside a persistent dgrad GEMM, any row copy driven by SM instructions cost the GEMM 0.15-0.25 ms at
-DeepSeek-V3 on an H200, whatever its pace, cache hints, bytes or placement (benchmarks.md, session 10;
-``benchmarks/profile_side_gather.py``). Here one warp a program only issues bulk tensor copies: for each
+Beside a persistent dgrad GEMM, any row copy driven by SM instructions slows the GEMM, whatever its
+pace, cache hints, bytes or placement (measured with ``benchmarks/profile_side_gather.py``:
+docs/history/kernels.md#what-a-row-copy-costs-beside-a-persistent-gemm). Here one warp a program only issues bulk tensor copies: for each
 ``ROWS x BOX`` chunk of a row block it loads the ROWS source rows (``[1, BOX]`` boxes, the gather) into a
 shared-memory stage and stores the stage as one ``[ROWS, BOX]`` box; loads run ``AHEAD`` chunks before
-the stores, each stage's barrier counting its loads' bytes. Beside the same GEMMs it costs them
-0.07-0.20 ms (dgrad2 0.07, dgrad1 0.09-0.20), a register copy 0.19-0.34.
+the stores, each stage's barrier counting its loads' bytes. Beside the same GEMMs it costs them less than a
+register copy does (docs/history/kernels.md#the-tma-unit).
 
 The program is small enough to sit beside a dgrad program on every SM: one warp, ~34 registers, 16.5 KB
 of shared memory (checked by the sm_90a compile tests). Row blocks come from a device counter, as in

@@ -11,15 +11,14 @@ Legend: R rows (expert-sorted), G local experts, M and N the weight's two dimens
 P and Q are read through device-side TMA descriptors over the expert's rows, so the last partial
 chunk is zero-filled by the copy engine instead of masked in registers. Where an expert has more
 tiles than there are programs, a program builds them again only when its next tile belongs to
-another expert: building them for every tile cost 2-10 % of the kernel on an H200 at DeepSeek-V3
-(a program runs ~7 tiles of an expert in a row in dW1). The grid is
+another expert (a program runs ~7 tiles of an expert in a row in dW1), which is faster than building
+them for every tile (measured in docs/history/kernels.md#the-wgrads-tma-descriptors). The grid is
 persistent (one program per multiprocessor, loop flattened so the next tile's loads overlap this
-tile's epilogue): measured on an H200 it gained 0-2 % at DeepSeek-V3 and 7-13 % at Qwen3-30B-A3B,
-whose experts have fewer rows. Both must
-be contiguous expert-sorted rows: the backward gathers ``x`` (dW1) and ``dy`` (dW2) into a transient
-sorted copy first — measured on an H200, row-gather pointer loads ran this kernel at ~390 TFLOP/s
-against ~510 with both operands contiguous. Each output element is one fp32 sum in row order with
-no split-K and no atomics: the result has the same bits on every run.
+tile's epilogue), which gains most where experts have few rows. Both must be contiguous
+expert-sorted rows: the backward gathers ``x`` (dW1) and ``dy`` (dW2) into a transient sorted copy
+first, because row-gather pointer loads run this kernel much slower than contiguous operands (both
+measured in docs/kernels.md#measurements-that-chose-the-design). Each output element is one fp32
+sum in row order with no split-K and no atomics: the result has the same bits on every run.
 """
 
 from __future__ import annotations

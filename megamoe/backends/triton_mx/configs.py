@@ -6,11 +6,10 @@ Each 32-deep E4M3 MMA (Hopper ``wgmma`` k=32) produces a fresh fp32 partial tile
 added to the accumulator on the CUDA cores, and Triton 3.6 waits for every such MMA before the scaling
 (docs/mxfp8.md), so one program cannot overlap its MMA with its multiply-adds. The defaults run two
 one-warpgroup programs per SM (``BLOCK_N=64``, 4 warps, ``PROGRAMS_PER_SM=2``) that overlap each
-other's: measured on an H200 with ``benchmarks/sweep_mx_gemm.py`` (DeepSeek-V3 per-rank shapes, same
-bits as the 128x128 / 8-warp tile) GEMM1 233 against 191 TFLOP/s, GEMM2 252 against 204, wgrad 276
-against 220. ``BLOCK_K`` is the K depth of one pipeline stage: its ``BLOCK_K / 32`` MX blocks come as
-separate 32-deep TMA boxes, and one ``[rows, BLOCK_K / 32]`` scale tile per operand is loaded per
-stage, one stage ahead.
+other's, faster than one 128x128 / 8-warp program per SM with the same bits in every MX GEMM
+(``benchmarks/sweep_mx_gemm.py``: docs/benchmarks.md#mxfp8-gemms-alone). ``BLOCK_K`` is the K depth
+of one pipeline stage: its ``BLOCK_K / 32`` MX blocks come as separate 32-deep TMA boxes, and one
+``[rows, BLOCK_K / 32]`` scale tile per operand is loaded per stage, one stage ahead.
 The CPU interpreter gets tiny tiles (two 32-deep steps per stage, so the split stays tested).
 """
 

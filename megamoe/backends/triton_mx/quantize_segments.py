@@ -76,7 +76,8 @@ def _quantize_segments_kernel(
         ptrs = data_ptr + base + cols[:, None].to(tl.int64) * data_x + lanes[None, :]
         if PACKED or WHOLE_BLOCKS:
             # a mask constant along the 32 lanes: the compiler writes 16-byte vectors (a row_ok mask, whose
-            # start the compiler cannot prove aligned, splits every store into single bytes: 3x slower)
+            # start the compiler cannot prove aligned, splits every store into single bytes; measured in
+            # docs/mxfp8.md, "The GPU kernels")
             store_ok = col_ok[:, None] & (lanes < 32)[None, :]
         else:
             store_ok = col_ok[:, None] & row_ok[None, :]
