@@ -153,12 +153,13 @@ def _gemm1_alone(shape: ModelShape, routing: str, device: torch.device) -> list[
     from megamoe.backends.triton.backend import TritonBackend
     from megamoe.backends.triton.configs import gemm_config, num_programs
     from megamoe.backends.triton.grouped_gemm import grouped_gemm
+    from megamoe.backends.triton.rows import LocalTransport
 
     T, H, I, G = shape.tokens, shape.hidden, shape.inter, shape.experts
     x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
     w1 = torch.randn(G, 2 * I, H, device=device, dtype=torch.bfloat16) / H**0.5
     idx, _ = make_routing(shape, routing, device=device)
-    plan = TritonBackend().make_plan(idx, num_experts=G, group=None)
+    plan = TritonBackend(LocalTransport()).make_plan(idx, num_experts=G, group=None)
     r = plan.routing
     _, _, order, offs = baseline_stage1(x, idx, w1)
     x_sorted = x[order // shape.topk]
@@ -177,7 +178,10 @@ def _gemm1_alone(shape: ModelShape, routing: str, device: torch.device) -> list[
 
     kernel = time_interleaved([(plain, []), (lambda: torch._grouped_mm(x_sorted, w1_t, offs=offs), [])])
     as_run = time_interleaved(
-        [(lambda: ops.gemm1_forward(x, w1, shape.topk, *plan.tables()), []), (grouped_mm_swiglu, [])]
+        [
+            (lambda: ops.gemm1_forward(x, w1, shape.topk, *plan.routing.kernel_tables()), []),
+            (grouped_mm_swiglu, []),
+        ]
     )
     names = (
         "gemm1, no epilogue (gather fused)",

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from benchmarks.common import (
     time_collective,
     time_collective_interleaved,
 )
+from megamoe.settings import DISPATCH_MODES
 
 _NO_MULTICAST = {
     "NCCL_NVLS_ENABLE": "0",
@@ -148,6 +149,7 @@ def op_legs(
     ``grouped_gemm_combine``: the ops that combine rows (forward stage 2, backward dx).
     """
     from megamoe.backends.exchange import TokenExchange
+    from megamoe.backends.symm import backend as fused
     from megamoe.backends.symm import launch
     from megamoe.backends.symm.backend import SymmBackend
     from megamoe.backends.symm.workspace import COUNTER_COMBINE
@@ -155,11 +157,12 @@ def op_legs(
     from megamoe.backends.triton.configs import num_programs, wgrad_config
     from megamoe.backends.triton.swiglu import swiglu_forward
     from megamoe.backends.triton.wgrad import grouped_wgrad
+    from megamoe.settings import SymmSettings
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     x, idx, tw, w1, w2 = rank_inputs(shape, routing, world, rank)
     E = w1.shape[0] * world
-    sb = SymmBackend()
+    sb = SymmBackend(SymmSettings.from_env())
     plan = sb.make_plan(idx, num_experts=E, group=group)
     h, wts = sb.stage1_forward(x, tw, w1, plan)[:2]
     ws, lay, s = plan.ws, plan.layout, plan.send
@@ -187,7 +190,7 @@ def op_legs(
     remote_scalar = launch.RemoteOut(lay.row_src_R, lay.row_pos_R, wts.float())  # as stage1_backward
 
     def broadcast() -> bool:
-        return launch.dispatch_mode(ws.world) == "broadcast"
+        return ws.dispatch == "broadcast"
 
     def fwd1_full():
         p = sb.make_plan(idx, num_experts=E, group=group)
@@ -196,7 +199,7 @@ def op_legs(
     def fwd1_start(planned: bool):
         if not planned:  # [pull staging,] the count exchange with the barrier, the layout
             return sb.exchange(plan, x, tw)
-        if launch.dispatch_mode(ws.world) == "pull":
+        if ws.dispatch == "pull":
             launch.stage_for_pull(ws, x, s.row_token_R, s.row_values_R(tw).float())
         launch.begin_op(ws)
 
@@ -213,7 +216,7 @@ def op_legs(
                  broadcast=(x, s.row_token_R))  # fmt: skip
             launch.join_broadcast(ws)
             return
-        push = sb.dispatch(plan, x, tw)
+        push = fused.rows_to_move(plan, x, tw)
         gemm("gemm1", pool, w1, False, num_tiles_1=no_tiles, out_RN=h, push=push, local_rows=lay)
 
     def fwd1_gemm():
@@ -234,7 +237,7 @@ def op_legs(
         combine(local_h, s.slot_row_S, y, topk=s.topk, weights_R=None)
 
     def bwd2_broadcast(num_tiles_1):  # copies, dgrad tiles gathering them, the pool filled beside
-        sb.begin(plan)
+        fused.begin(plan)
         sb._broadcast_dgrad(
             plan, dy, gather_pool=True, op="dgrad2", a_RK=pool, b=w2, b_kn=True, tiles_X3=lay.tiles_X3,
             num_tiles_1=num_tiles_1, out_RN=da, wait=True, local_rows=lay, broadcast=(dy, s.row_token_R),
@@ -243,15 +246,15 @@ def op_legs(
     def bwd2_full():
         if broadcast():
             return bwd2_broadcast(lay.num_tiles_1)
-        d = sb.dispatch(plan, dy)
-        sb.begin(plan, d)
+        d = fused.rows_to_move(plan, dy)
+        fused.begin(plan, d)
         gemm("dgrad2", pool, w2, True, out_RN=da, push=d, wait=True)
 
     def bwd2_comm():
         if broadcast():
             return bwd2_broadcast(no_tiles)
-        d = sb.dispatch(plan, dy)
-        sb.begin(plan, d)
+        d = fused.rows_to_move(plan, dy)
+        fused.begin(plan, d)
         gemm("dgrad2", pool, w2, True, num_tiles_1=no_tiles, out_RN=da, push=d)
 
     def bwd2_gemm():
@@ -259,14 +262,14 @@ def op_legs(
 
     def bwd1(skip_mma: bool):
         if broadcast():  # x copied to the peers, the pool filled beside the dgrad
-            sb.begin(plan)
+            fused.begin(plan)
             sb._broadcast_dgrad(
                 plan, x, gather_pool=True, op="dgrad1", a_RK=dh, b=w1, b_kn=True, tiles_X3=lay.tiles_X3,
                 num_tiles_1=lay.num_tiles_1, remote=remote_scalar, skip_mma=skip_mma,
             )  # fmt: skip
         else:
-            d = sb.dispatch(plan, x)
-            sb.begin(plan, d)
+            d = fused.rows_to_move(plan, x)
+            fused.begin(plan, d)
             gemm("dgrad1", dh, w1, True, push=d, remote=remote_scalar, skip_mma=skip_mma)
         launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
         combine(ws.view("combine"), s.slot_row_S, y, topk=s.topk, weights_R=None)
@@ -321,19 +324,19 @@ def op_legs(
             lambda: (bwd1_gemm(), ex.combine(local_h[:R]), ex.dispatch_tokens(x)),
         ),
     ]
-    modes = [m for m in launch.DISPATCH_MODES if m != "broadcast" or ws.shapes["bcast_x"][0][0]]
-    return (dispatch_ops if mode == "dispatch_grouped_gemm" else combine_ops), wgrad, modes
+    modes = [m for m in DISPATCH_MODES if m != "broadcast" or ws.shapes["bcast_x"][0][0]]
+    return (dispatch_ops if mode == "dispatch_grouped_gemm" else combine_ops), wgrad, modes, ws
 
 
 def bench_stages(name: str, shape: ModelShape, routing: str, group, mode: str) -> list[StageResult]:
     """T_comm, T_gemm, T_measured and the serial time of the fused ops of ``mode`` (:func:`op_legs`);
     with ``grouped_gemm_combine`` also the wgrads. Every op that moves rows to the experts is timed in
     every dispatch mode the workspace supports."""
-    ops, wgrad, modes = op_legs(shape, routing, group, mode)
+    ops, wgrad, modes, ws = op_legs(shape, routing, group, mode)
     results = []
-    chosen = os.environ.get("MEGAMOE_SYMM_DISPATCH")
-    for dispatch in modes:
-        os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
+    chosen = ws.settings
+    for dispatch in modes:  # one workspace, its dispatch mode switched between the legs
+        ws.settings = replace(chosen, dispatch=dispatch)
         for op in ops:
             if not op.dispatches and dispatch != "push":
                 continue
@@ -347,10 +350,7 @@ def bench_stages(name: str, shape: ModelShape, routing: str, group, mode: str) -
                 results.append(
                     StageResult(name, routing, f"{label}, {variant}", t[5 + 2 * i], t[1], t[4 + 2 * i], t[3])
                 )
-    if chosen is None:
-        del os.environ["MEGAMOE_SYMM_DISPATCH"]
-    else:
-        os.environ["MEGAMOE_SYMM_DISPATCH"] = chosen
+    ws.settings = chosen
     if mode == "grouped_gemm_combine":
         t_wgrad = time_collective(wgrad, calls_per_sample=OP_CALLS_PER_SAMPLE)
         results.append(

@@ -55,9 +55,10 @@ def _legs(world: int) -> list[tuple[str, float]]:
     from benchmarks.common import MODELS, rank_inputs, time_collective
     from megamoe.backends.symm import launch
     from megamoe.backends.symm.backend import SymmBackend
+    from megamoe.settings import SymmSettings
 
     x, idx, tw, w1, _ = rank_inputs(MODELS["DeepSeek-V3"], "uniform", world, dist.get_rank())
-    sb = SymmBackend()
+    sb = SymmBackend(SymmSettings.from_env())
     E = w1.shape[0] * world
     plan = sb.make_plan(idx, num_experts=E, group=dist.group.WORLD)
     h = sb.stage1_forward(x, tw, w1, plan)[0]
@@ -123,9 +124,10 @@ def _timeline(world: int) -> list[str]:
     from benchmarks.common import MODELS, rank_inputs
     from megamoe.backends.symm import launch
     from megamoe.backends.symm.backend import SymmBackend
+    from megamoe.settings import SymmSettings
 
     x, idx, tw, w1, _ = rank_inputs(MODELS["DeepSeek-V3"], "uniform", world, dist.get_rank())
-    sb = SymmBackend()
+    sb = SymmBackend(SymmSettings.from_env())
     E, lines = w1.shape[0] * world, []
     for label, env, push in (
         ("defaults", {}, True),
@@ -144,8 +146,8 @@ def _timeline(world: int) -> list[str]:
                                   tiles_X3=lay.tiles_X3, num_tiles_1=lay.num_tiles_1, out_RN=h)  # fmt: skip
             torch.cuda.synchronize()
             dist.barrier()
-        has_comm_role = push and launch.dispatch_mode(world) != "broadcast"
-        comm = launch.comm_programs(x.device) if has_comm_role else 0
+        has_comm_role = push and SymmSettings.from_env().dispatch_mode(world) != "broadcast"
+        comm = SymmSettings.from_env().comm_programs if has_comm_role else 0
         os.environ.clear()
         os.environ.update(saved)
         t = launch.program_timeline(plan.ws).cpu()
@@ -200,7 +202,7 @@ def _gpu_events(world: int) -> list[str]:
 
     rows = []
     for mode in ("dispatch_grouped_gemm", "grouped_gemm_combine"):
-        ops, _, _ = op_legs(MODELS["DeepSeek-V3"], "uniform", dist.group.WORLD, mode)
+        ops, _, _, _ = op_legs(MODELS["DeepSeek-V3"], "uniform", dist.group.WORLD, mode)
         for op in ops:
             for leg, fn in (("op", op.full), ("GEMM leg", op.gemm)):
                 events = _profile(fn)

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from megamoe.errors import InvalidConfigError
 from megamoe.ops import dispatch_grouped_gemm, grouped_gemm_combine
 from megamoe.router import MegaMoERouter, RouterConfig
+from megamoe.settings import EPSettings
 
 
 def _ep_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -75,6 +76,7 @@ class MegaMoEExperts(nn.Module):
         device: torch.device | None = None,
         backend: str = "auto",
         precision: str = "bf16",
+        ep_settings: EPSettings | None = None,
     ) -> None:
         super().__init__()
         ep_size, ep_rank = _ep_size_rank(ep_group)
@@ -91,6 +93,8 @@ class MegaMoEExperts(nn.Module):
         self.ep_group = ep_group
         self.backend = backend
         self.precision = precision
+        self.ep_settings = EPSettings.from_env() if ep_settings is None else ep_settings
+        """how tokens move at EP > 1: given, or read from the environment once, when the layer is built."""
         G, H, I = self.num_local_experts, hidden_size, ffn_hidden_size
         self.fc1 = MegaMoEWeightModule((G, 2 * I, H), dtype=dtype, device=device)
         self.fc2 = MegaMoEWeightModule((G, H, I), dtype=dtype, device=device)
@@ -125,6 +129,7 @@ class MegaMoEExperts(nn.Module):
             self.ep_group,
             backend=self.backend,
             precision=self.precision,
+            settings=self.ep_settings,
         )
         return grouped_gemm_combine(h, dispatch_weights, handle, self.fc2())
 
@@ -153,6 +158,8 @@ class MegaMoEConfig:
     shared_expert_intermediate_size: int | None = None
     backend: str = "auto"
     precision: str = "bf16"
+    ep_settings: EPSettings | None = None
+    """how tokens move at EP > 1; None: :meth:`EPSettings.from_env` when the layer is built."""
     """number format of the expert GEMMs: ``bf16`` or ``mxfp8`` (parameters keep ``dtype``)."""
     dtype: torch.dtype = torch.float32
     seed: int = 0
@@ -173,6 +180,7 @@ class MegaMoELayer(nn.Module):
             dtype=cfg.dtype,
             backend=cfg.backend,
             precision=cfg.precision,
+            ep_settings=cfg.ep_settings,
         )
         self.experts.reset_parameters(seed=cfg.seed)
         self.shared_expert = None

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from megamoe.backends import ExpertBackend, get_backend
 from megamoe.errors import InvalidConfigError, MegaMoEError, shape_error
+from megamoe.settings import EPSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +191,7 @@ def _select_backend(
     group: dist.ProcessGroup | None,
     backend: str,
     precision: str,
+    settings: EPSettings | None,
 ) -> ExpertBackend:
     error = None
     try:
@@ -197,8 +199,15 @@ def _select_backend(
     except MegaMoEError as e:
         error = e
     _agree_on_errors(error, group, x.device)
-    impl = get_backend(backend, device=x.device, dtype=x.dtype, precision=precision)
-    if getattr(impl, "native_autograd", False):
+    impl = get_backend(
+        backend,
+        device=x.device,
+        dtype=x.dtype,
+        precision=precision,
+        ep_size=_ep_size(group),
+        settings=settings,
+    )
+    if impl.native_autograd:
         impl.check(x, topk_idx, w1, w2, group)
     return impl
 
@@ -217,10 +226,13 @@ def dispatch_grouped_gemm(
     *,
     backend: str = "auto",
     precision: str = "bf16",
+    settings: EPSettings | None = None,
 ) -> tuple[Tensor, Tensor, MegaMoEHandle]:
-    """Stage 1: dispatch + GEMM1. Returns ``(h [R, 2I] pre-SwiGLU, dispatch_weights [R], handle)``."""
-    impl = _select_backend(x, topk_idx, topk_weights, w1, None, group, backend, precision)
-    if getattr(impl, "native_autograd", False):
+    """Stage 1: dispatch + GEMM1. Returns ``(h [R, 2I] pre-SwiGLU, dispatch_weights [R], handle)``.
+
+    ``settings``: how tokens move at EP > 1 (default :meth:`EPSettings.from_env`)."""
+    impl = _select_backend(x, topk_idx, topk_weights, w1, None, group, backend, precision, settings)
+    if impl.native_autograd:
         h, dispatch_weights, plan = impl.stage1(x, topk_idx, topk_weights, w1, group)
         return h, dispatch_weights, MegaMoEHandle(impl, plan, x.shape[0])
     handle = _make_handle(impl, x, topk_idx, w1, group)
@@ -241,7 +253,7 @@ def grouped_gemm_combine(h: Tensor, dispatch_weights: Tensor, handle: MegaMoEHan
         raise shape_error("h", h.shape, f"[R, 2I] matching w2 {tuple(w2.shape)} = [G, H, I]")
     if w2.dtype != h.dtype:
         raise InvalidConfigError("w2.dtype", w2.dtype, f"must equal the activations' dtype {h.dtype}")
-    if getattr(handle.backend, "native_autograd", False):
+    if handle.backend.native_autograd:
         return handle.backend.stage2(h, dispatch_weights, handle.plan, w2, handle.num_tokens)
     act = handle.act_for(h)
     # the backward keeps the handle: without act (freed after the forward) and without a second ref to h
@@ -259,6 +271,7 @@ def fused_mega_moe(
     *,
     backend: str = "auto",
     precision: str = "bf16",
+    settings: EPSettings | None = None,
 ) -> Tensor:
     """The whole expert path: ``y [T, H]`` for ``x [T, H]`` routed by ``topk_idx``/``topk_weights [T, K]``.
 
@@ -267,9 +280,11 @@ def fused_mega_moe(
     ``precision`` is the expert GEMMs' number format: ``"bf16"`` computes in the inputs' dtype,
     ``"mxfp8"`` in MX blocks (E4M3 data, one E8M0 scale per 32; see :mod:`megamoe.quant`) while
     the parameters stay in their dtype. The handle carries it to :func:`grouped_gemm_combine`.
+    ``settings``: how tokens move at EP > 1 (:class:`~megamoe.settings.EPSettings`; default
+    :meth:`~megamoe.settings.EPSettings.from_env`, the ``MEGAMOE_EP_TRANSPORT``/``MEGAMOE_SYMM_*`` variables).
     """
-    impl = _select_backend(x, topk_idx, topk_weights, w1, w2, group, backend, precision)
-    if getattr(impl, "native_autograd", False):
+    impl = _select_backend(x, topk_idx, topk_weights, w1, w2, group, backend, precision, settings)
+    if impl.native_autograd:
         return impl.fused(x, topk_idx, topk_weights, w1, w2, group)
     handle = _make_handle(impl, x, topk_idx, w1, group)
     h, dispatch_weights, act, *state = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)

@@ -13,13 +13,13 @@ the choice everywhere else.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
 from megamoe.backends.base import ExpertBackend
 from megamoe.backends.reference import ReferenceBackend
 from megamoe.errors import InvalidConfigError, UnsupportedSettingError
+from megamoe.settings import EP_TRANSPORTS, EPSettings
 
 BACKEND_NAMES = ("auto", "reference", "triton", "primus_turbo")
 PRECISIONS = ("bf16", "mxfp8")
@@ -35,41 +35,48 @@ def _require_triton() -> None:
         )
 
 
-def _load_mxfp8(name: str) -> ExpertBackend:
-    if name == "reference":
-        from megamoe.backends.mxfp8_reference import MXFP8ReferenceBackend
+def _triton(precision: str, transport: str, settings: EPSettings) -> ExpertBackend:
+    """The Triton expert math of ``precision`` over ``transport`` (``local``, ``nccl`` or ``symm``)."""
+    _require_triton()
+    if transport == "symm":
+        if precision == "mxfp8":
+            from megamoe.backends.triton_mx.ep_symm import MXFP8SymmBackend
 
-        return MXFP8ReferenceBackend()
-    if name == "triton":
-        _require_triton()
+            return MXFP8SymmBackend(settings.symm)
+        from megamoe.backends.symm.experts import SymmTritonBackend
+
+        return SymmTritonBackend(settings.symm)
+    from megamoe.backends.triton.rows import AllToAllTransport, LocalTransport
+
+    rows = LocalTransport() if transport == "local" else AllToAllTransport()
+    if precision == "mxfp8":
         from megamoe.backends.triton_mx.backend import MXFP8TritonBackend
 
-        return MXFP8TritonBackend()
-    if name in BACKEND_NAMES:
+        return MXFP8TritonBackend(rows)
+    from megamoe.backends.triton.backend import TritonBackend
+
+    return TritonBackend(rows)
+
+
+def _load(name: str, precision: str, transport: str, settings: EPSettings) -> ExpertBackend:
+    if name == "triton":
+        return _triton(precision, transport, settings)
+    if precision == "mxfp8":
+        if name == "reference":
+            from megamoe.backends.mxfp8_reference import MXFP8ReferenceBackend
+
+            return MXFP8ReferenceBackend()
         raise UnsupportedSettingError(
             "precision",
             "mxfp8",
             f"backend {name!r} has no MXFP8 kernels",
             "Use backend='reference' or 'auto'",
         )
-    raise InvalidConfigError("backend", name, "unknown backend", f"Use one of {', '.join(BACKEND_NAMES)}")
-
-
-def _load(name: str, precision: str) -> ExpertBackend:
-    if precision == "mxfp8":
-        return _load_mxfp8(name)
     if name == "reference":
         return ReferenceBackend()
-    if name == "triton":
-        _require_triton()
-        from megamoe.backends.triton.backend import TritonBackend
+    from megamoe.backends.primus_turbo import PrimusTurboBackend
 
-        return TritonBackend()
-    if name == "primus_turbo":
-        from megamoe.backends.primus_turbo import PrimusTurboBackend
-
-        return PrimusTurboBackend()
-    raise InvalidConfigError("backend", name, "unknown backend", f"Use one of {', '.join(BACKEND_NAMES)}")
+    return PrimusTurboBackend()
 
 
 def resolve_backend_name(
@@ -91,35 +98,41 @@ def resolve_backend_name(
     return "reference"
 
 
-EP_TRANSPORTS = ("symm", "nccl")
+def transport_name(name: str, *, device: torch.device, ep_size: int, settings: EPSettings) -> str:
+    """How backend ``name`` moves tokens: ``local`` (one rank), ``symm`` or ``nccl`` (the Triton
+    backends take ``settings.transport``; the others exchange through ``all_to_all_single``)."""
+    if ep_size == 1:
+        return "local"
+    return settings.transport_for(device.type) if name == "triton" else "nccl"
 
 
-def ep_transport(device: torch.device) -> str:
-    """How the Triton backend moves tokens between EP ranks: ``MEGAMOE_EP_TRANSPORT``, else ``symm``
-    (fused into the GEMMs over symmetric memory, one node) on CUDA and ``nccl`` (all-to-all) elsewhere."""
-    name = os.environ.get("MEGAMOE_EP_TRANSPORT") or ("symm" if device.type == "cuda" else "nccl")
-    if name not in EP_TRANSPORTS:
-        raise InvalidConfigError(
-            "MEGAMOE_EP_TRANSPORT", name, "unknown EP transport", f"Use one of {', '.join(EP_TRANSPORTS)}"
-        )
-    return name
-
-
-_CACHE: dict[tuple[str, str], ExpertBackend] = {}
+_CACHE: dict[tuple, ExpertBackend] = {}
 
 
 def get_backend(
-    name: str = "auto", *, device: torch.device, dtype: torch.dtype, precision: str = "bf16"
+    name: str = "auto",
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    precision: str = "bf16",
+    ep_size: int = 1,
+    settings: EPSettings | None = None,
 ) -> ExpertBackend:
-    """The backend instance for ``name`` and ``precision`` (``auto`` resolved for ``device``/``dtype``), created once."""
+    """The backend for ``name`` and ``precision`` (``auto`` resolved for ``device``/``dtype``) with its
+    transport for ``ep_size`` ranks, created once per combination; ``settings`` default to
+    :meth:`EPSettings.from_env`."""
     if precision not in PRECISIONS:
         raise InvalidConfigError(
             "precision", precision, "unknown expert precision", f"Use one of {', '.join(PRECISIONS)}"
         )
+    if name not in BACKEND_NAMES:
+        raise InvalidConfigError("backend", name, "unknown backend", f"Use one of {', '.join(BACKEND_NAMES)}")
+    settings = EPSettings.from_env() if settings is None else settings
     concrete = resolve_backend_name(name, device=device, dtype=dtype, precision=precision)
-    key = (concrete, precision)
+    transport = transport_name(concrete, device=device, ep_size=ep_size, settings=settings)
+    key = (concrete, precision, transport, settings.symm if transport == "symm" else None)
     if key not in _CACHE:
-        _CACHE[key] = _load(concrete, precision)
+        _CACHE[key] = _load(concrete, precision, transport, settings)
     return _CACHE[key]
 
 
@@ -127,8 +140,9 @@ __all__ = [
     "BACKEND_NAMES",
     "EP_TRANSPORTS",
     "PRECISIONS",
+    "EPSettings",
     "ExpertBackend",
-    "ep_transport",
     "get_backend",
     "resolve_backend_name",
+    "transport_name",
 ]

@@ -34,6 +34,13 @@ class ExpertBackend(Protocol):
     """Compute kernels of the two expert stages, forward and backward."""
 
     name: str
+    native_autograd: bool
+    """True for a backend that owns its autograd graph (:class:`NativeAutogradBackend`): the ops call
+    its ``stage1``/``stage2``/``fused`` instead of the stage methods below."""
+
+    def with_stage1_state(self, plan: Any, state: tuple[Tensor, ...]) -> Any:
+        """The plan with the tensors stage 1 returned after ``act`` (most backends return none)."""
+        ...
 
     def make_plan(self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None) -> Any:
         """Routing tables for one forward: which rows go where, per-expert counts, ..."""
@@ -83,6 +90,33 @@ class ExpertBackend(Protocol):
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Return ``(dh_R2I, d_dispatch_weights_R, dw2_GHI)``."""
         ...
+
+
+class NativeAutogradBackend(ExpertBackend, Protocol):
+    """A backend whose kernels come with their own autograd (Primus-Turbo's)."""
+
+    def check(self, x: Tensor, topk_idx: Tensor, w1: Tensor, w2: Tensor | None, group) -> None: ...
+
+    def stage1(
+        self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Tensor, group
+    ) -> tuple[Tensor, Tensor, Any]: ...
+
+    def stage2(
+        self, h: Tensor, dispatch_weights: Tensor, plan: Any, w2: Tensor, num_tokens: int
+    ) -> Tensor: ...
+
+    def fused(
+        self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor, group
+    ) -> Tensor: ...
+
+
+class StagedBackend:
+    """Defaults of :class:`ExpertBackend` for backends whose stages the ops' autograd functions drive."""
+
+    native_autograd = False
+
+    def with_stage1_state(self, plan: Any, state: tuple[Tensor, ...]) -> Any:
+        return plan
 
 
 def swiglu(h_R2I: Tensor) -> Tensor:

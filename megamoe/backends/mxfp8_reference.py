@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megamoe.backends.base import swiglu, swiglu_backward
+from megamoe.backends.base import StagedBackend, swiglu, swiglu_backward
 from megamoe.backends.exchange import TokenExchange
 from megamoe.quant.cache import WeightCache
 from megamoe.quant.mx import fake_quantize_mx
@@ -79,7 +79,7 @@ def _per_expert_wgrad(left_RY: Tensor, right_RX: Tensor, counts: list[int]) -> T
     return dw
 
 
-class MXFP8ReferenceBackend:
+class MXFP8ReferenceBackend(StagedBackend):
     """Per-expert float32 matmuls on exactly dequantised MX operands, around an ``all_to_all`` exchange."""
 
     name = "mxfp8_reference"

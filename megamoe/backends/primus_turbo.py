@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megamoe.backends.base import StagedBackend
 from megamoe.errors import UnsupportedSettingError
 
 _FALLBACK = "use backend='triton' or 'reference' (any shape, any EP size, ragged T)"
@@ -37,7 +38,7 @@ class PrimusTurboPlan:
     group: dist.ProcessGroup
 
 
-class PrimusTurboBackend:
+class PrimusTurboBackend(StagedBackend):
     """Whole-stage delegation to ``primus_turbo.pytorch.ops.moe``."""
 
     name = "primus_turbo"

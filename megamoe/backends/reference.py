@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megamoe.backends.base import swiglu, swiglu_backward
+from megamoe.backends.base import StagedBackend, swiglu, swiglu_backward
 from megamoe.backends.exchange import TokenExchange
 
 
@@ -44,7 +44,7 @@ def _per_expert_wgrad(grad_RY: Tensor, rows_RX: Tensor, counts: list[int], like:
     return dw
 
 
-class ReferenceBackend:
+class ReferenceBackend(StagedBackend):
     """Per-expert matmuls around an ``all_to_all`` token exchange."""
 
     name = "reference"

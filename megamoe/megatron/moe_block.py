@@ -101,6 +101,7 @@ class MegaMoEBlock(MegatronModule):
             device=device,
             backend=self.options.backend,
             precision=self.options.precision,
+            ep_settings=self.options.ep,
         )
         if config.perform_initialization:
             for e in range(self.experts.num_local_experts):

@@ -7,16 +7,17 @@ which would make an A/B comparison measure the wrong thing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from megamoe.backends import BACKEND_NAMES, ep_transport
+from megamoe.backends import BACKEND_NAMES
 from megamoe.errors import InvalidConfigError, UnsupportedSettingError
 from megamoe.quant.precision import check_precision
 from megamoe.router import check_force_load_balancing
+from megamoe.settings import EPSettings
 
 SUPPORTED_LOAD_BALANCING = ("aux_loss", "none")
 
@@ -32,6 +33,8 @@ class MegaMoEOptions:
     backend: str = "auto"
     force_load_balancing: Literal["even", "uniform"] | None = None
     """``moe_router_force_load_balancing_type`` when ``moe_router_force_load_balancing`` is on."""
+    ep: EPSettings = field(default_factory=EPSettings)
+    """How tokens move at EP > 1 (``turbo_mega_moe_ep_transport``, ``turbo_mega_moe_symm_*``)."""
 
     def __post_init__(self) -> None:
         check_precision(self.precision, setting="turbo_mega_moe_precision")
@@ -177,8 +180,8 @@ def decide_mega_moe(config, options: MegaMoEOptions) -> MegaMoEDecision:
     if precision == "mxfp8":
         precision += " (Triton MXFP8 kernels)" if triton_kernels else " (exact emulation)"
     exchange = ""
-    if ep > 1 and on_gpu:  # the Triton backends, bf16 and MXFP8, take MEGAMOE_EP_TRANSPORT; the rest NCCL
-        exchange = f", EP exchange={ep_transport(torch.device('cuda')) if triton_kernels else 'nccl'}"
+    if ep > 1 and on_gpu:  # the Triton backends, bf16 and MXFP8, take the EP transport; the rest NCCL
+        exchange = f", EP exchange={options.ep.transport_for('cuda') if triton_kernels else 'nccl'}"
     return MegaMoEDecision(
         True,
         f"MoELayer replaced by MegaMoE: enable_primus_turbo and use_turbo_mega_moe on, TP=1, "

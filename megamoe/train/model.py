@@ -7,13 +7,14 @@ from __future__ import annotations
 import copy
 import importlib.util
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megamoe.errors import InvalidConfigError
+from megamoe.settings import EPSettings
 from megamoe.train.schema import PretrainConfig
 from megamoe.train.validate import RunPlan
 
@@ -151,6 +152,21 @@ def _router_force_balancing(cfg: PretrainConfig) -> str | None:
     return moe.moe_router_force_load_balancing_type if moe.moe_router_force_load_balancing else None
 
 
+def ep_settings(cfg: PretrainConfig) -> EPSettings:
+    """The EP settings: the config's ``turbo_mega_moe_*`` keys where set, else the environment's."""
+    env = EPSettings.from_env()
+    t = cfg.turbo
+    symm = {
+        "dispatch": t.turbo_mega_moe_symm_dispatch,
+        "max_tokens": t.turbo_mega_moe_symm_max_tokens,
+        "capacity_factor": t.turbo_mega_moe_symm_capacity_factor,
+    }
+    return EPSettings(
+        transport=t.turbo_mega_moe_ep_transport or env.transport,
+        symm=replace(env.symm, **{k: v for k, v in symm.items() if v is not None}),
+    )
+
+
 def decide_moe_switch(cfg: PretrainConfig, tconfig: Any) -> MoESwitch:
     """Ask the integration layer whether MegaMoE replaces megatron's MoELayer (it raises on settings
     MegaMoE cannot honour when it is requested)."""
@@ -161,6 +177,7 @@ def decide_moe_switch(cfg: PretrainConfig, tconfig: Any) -> MoESwitch:
         precision=cfg.turbo.turbo_mega_moe_precision,
         backend=cfg.turbo.turbo_mega_moe_backend,
         force_load_balancing=_router_force_balancing(cfg),
+        ep=ep_settings(cfg),
     )
     if cfg.moe.num_experts is None:
         return MoESwitch(use_mega_moe=False, reason="the model has no MoE layers", options=options)

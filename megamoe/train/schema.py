@@ -303,6 +303,18 @@ class TurboConfig:
     """Replace megatron's MoELayer by the fused MegaMoE layer (needs enable_primus_turbo, TP=1)."""
     turbo_mega_moe_precision: Literal["bf16", "mxfp8"] = "bf16"
     turbo_mega_moe_backend: Literal["auto", "reference", "triton", "primus_turbo"] = "auto"
+    turbo_mega_moe_ep_transport: Literal["symm", "nccl"] | None = None
+    """How tokens move at EP > 1 (Triton backends): ``symm`` fuses the exchange into the grouped GEMMs
+    over symmetric memory (one node), ``nccl`` runs all-to-all around them; null: MEGAMOE_EP_TRANSPORT,
+    else symm on CUDA."""
+    turbo_mega_moe_symm_dispatch: Literal["push", "pull", "broadcast"] | None = None
+    """The fused path's row movement; null: MEGAMOE_SYMM_DISPATCH, else broadcast at EP=2, push above."""
+    turbo_mega_moe_symm_max_tokens: int | None = None
+    """Tokens per rank the symmetric workspace holds; null: MEGAMOE_SYMM_MAX_TOKENS, else the largest
+    count at the first step."""
+    turbo_mega_moe_symm_capacity_factor: float | None = None
+    """Routed rows a rank's pool holds, in balanced shares (``.inf``: the worst case); null:
+    MEGAMOE_SYMM_CAPACITY, else 2."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -310,6 +310,7 @@ _POSITIVE = {
     "optimizer": ("lr_decay_iters", "ddp_bucket_size"),
     "checkpoint": ("save_interval",),
     "logging": ("log_interval",),
+    "turbo": ("turbo_mega_moe_symm_max_tokens", "turbo_mega_moe_symm_capacity_factor"),
 }  # fmt: skip
 """Integer settings that must be >= 1 when set (null, where allowed, keeps its meaning)."""
 

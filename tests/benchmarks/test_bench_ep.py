@@ -3,10 +3,13 @@ themselves need GPUs; test_gpu_symm.py and docs/benchmarks.md have those)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from benchmarks import bench_ep
 from benchmarks.bench_ep import OpLegs, StageResult, format_stages
+from megamoe.settings import SymmSettings
 
 
 def _op(stage: str, variants: tuple = ()) -> OpLegs:
@@ -26,20 +29,22 @@ def timed(monkeypatch):
     """bench_stages over two fake ops; every leg's 'time' is its position in the timed list + 1."""
     ops = [_op("fwd: dispatch + GEMM1", ("plan reused",)), _op("fwd: GEMM2 + combine")]
     calls: list[list[str]] = []
+    ws = SimpleNamespace(settings=SymmSettings())  # the workspace whose dispatch mode the legs switch
 
     def interleaved(fns, **_):
-        calls.append([f.leg for f in fns])
+        calls.append([ws.settings.dispatch, *(f.leg for f in fns)])
         return [float(i + 1) for i in range(len(fns))]
 
-    monkeypatch.setattr(bench_ep, "op_legs", lambda *a: (ops, lambda: None, ["push", "broadcast"]))
+    monkeypatch.setattr(bench_ep, "op_legs", lambda *a: (ops, lambda: None, ["push", "broadcast"], ws))
     monkeypatch.setattr(bench_ep, "time_collective_interleaved", interleaved)
     monkeypatch.setattr(bench_ep, "time_collective", lambda fn, **_: 9.0)
-    monkeypatch.delenv("MEGAMOE_SYMM_DISPATCH", raising=False)
-    return bench_ep.bench_stages("M", None, "uniform", None, "grouped_gemm_combine"), calls
+    results = bench_ep.bench_stages("M", None, "uniform", None, "grouped_gemm_combine")
+    assert ws.settings == SymmSettings(), "the workspace's own settings are back after the legs"
+    return results, [c[1:] for c in calls], [c[0] for c in calls]
 
 
 def test_every_leg_lands_in_its_column_and_variants_share_the_gemm_and_serial_legs(timed) -> None:
-    results, calls = timed
+    results, calls, _ = timed
     by_stage = {r.stage: r for r in results}
     push = by_stage["fwd: dispatch + GEMM1 [push]"]
     assert (push.comm_ms, push.gemm_ms, push.measured_ms, push.serial_ms) == (1.0, 2.0, 3.0, 4.0)
@@ -52,7 +57,8 @@ def test_every_leg_lands_in_its_column_and_variants_share_the_gemm_and_serial_le
 
 
 def test_ops_that_move_no_rows_to_the_experts_are_timed_once_and_the_wgrads_last(timed) -> None:
-    results, _ = timed
+    results, _, modes = timed
+    assert modes == ["push", "push", "broadcast"]  # the ops that move rows, in each mode; the rest once
     stages = [r.stage for r in results]
     assert stages.count("fwd: GEMM2 + combine") == 1  # not once per dispatch mode
     assert "fwd: dispatch + GEMM1 [broadcast], plan reused" in stages

@@ -11,6 +11,7 @@ import torch
 from megamoe.backends.symm import workspace as wsm
 from megamoe.megatron import MegaMoEOptions
 from megamoe.quant import weight_generation
+from megamoe.settings import SymmSettings
 from megamoe.train.loop import after_optimizer_step, before_optimizer_step
 from megamoe.train.model import MoESwitch
 
@@ -25,7 +26,9 @@ def overflowed_workspace(monkeypatch):
     key = wsm.WorkspaceKey("ep", topk=2, num_experts=4, hidden=8, dtype=torch.float32)
     layout = wsm.BufferLayout.build(key, world=2, max_tokens=8, capacity_factor=1.0)
     buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8)
-    ws = layout.workspace(SimpleNamespace(group_name="ep"), key, 0, buffer, 0, ())
+    ws = layout.workspace(
+        SimpleNamespace(group_name="ep"), key, 0, buffer, 0, (), SymmSettings(capacity_factor=1.0)
+    )
     monkeypatch.setattr(wsm, "_WORKSPACES", {key: ws})
     ws.note_received(torch.tensor([20], dtype=torch.int32))
     return ws

@@ -38,6 +38,7 @@ from megamoe.backends.triton.routing import RoutingPlan, build_routing_plan
 from megamoe.backends.triton.side_gather import GEMM_REGISTER_CAP
 from megamoe.backends.triton.swiglu import swiglu_backward, swiglu_forward
 from megamoe.backends.triton.wgrad import grouped_wgrad
+from megamoe.settings import SymmSettings
 
 
 @dataclass(slots=True)
@@ -75,10 +76,40 @@ def _counts(send: RoutingPlan) -> Tensor:
     return (start[1:] - start[:-1]).contiguous()
 
 
+def rows_to_move(plan: SymmPlan, src_TH: Tensor, weights_TK: Tensor | None = None) -> launch.Dispatch:
+    s, lay = plan.send, plan.layout
+    return launch.Dispatch(
+        src_TH=src_TH,
+        send_token_S=s.row_token_R,
+        send_start_E1=s.expert_start_G1,
+        send_dest_row_E=lay.send_dest_row_E,
+        seg_start_GW=lay.seg_start_GW,
+        seg_len_GW=lay.seg_len_GW,
+        seg_pos_GW=lay.seg_pos_GW,
+        send_slot_S=s.row_slot_R if weights_TK is not None else None,
+        weights_TK=weights_TK,
+        pull=plan.ws.dispatch == "pull",
+    )
+
+
+def begin(plan: SymmPlan, dispatch: launch.Dispatch | None = None) -> None:
+    """Start an op that is not stage 1's forward (epoch + barrier); in pull mode first stage the rows peers will read."""
+    if dispatch is not None and dispatch.pull:
+        launch.stage_for_pull(plan.ws, dispatch.src_TH, dispatch.send_token_S)
+    launch.begin_op(plan.ws)
+
+
 class SymmBackend:
-    """Token exchange fused into the grouped GEMMs over symmetric memory (one node, EP >= 2)."""
+    """Token exchange fused into the grouped GEMMs over symmetric memory (one node, EP >= 2).
+
+    ``settings`` size and configure the group's workspace when this backend's first op allocates it;
+    the ops after that run with the workspace's own.
+    """
 
     name = "triton_symm"
+
+    def __init__(self, settings: SymmSettings) -> None:
+        self.settings = settings
 
     def make_plan(
         self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
@@ -99,8 +130,9 @@ class SymmBackend:
             hidden=x_TH.shape[1],
             dtype=x_TH.dtype,
             device=x_TH.device,
+            settings=self.settings,
         )
-        if launch.dispatch_mode(ws.world) == "pull":
+        if ws.dispatch == "pull":
             launch.stage_for_pull(ws, x_TH, s.row_token_R, s.row_values_R(weights_TK).float())
         launch.begin_op(ws, _counts(s))
         layout = build_layout(
@@ -113,27 +145,6 @@ class SymmBackend:
         )
         ws.note_received(layout.received_rows_1)
         plan.ws, plan.layout, plan.recv = ws, layout, recv_plan(ws, layout, s.block_m)
-
-    def dispatch(self, plan: SymmPlan, src_TH: Tensor, weights_TK: Tensor | None = None) -> launch.Dispatch:
-        s, lay = plan.send, plan.layout
-        return launch.Dispatch(
-            src_TH=src_TH,
-            send_token_S=s.row_token_R,
-            send_start_E1=s.expert_start_G1,
-            send_dest_row_E=lay.send_dest_row_E,
-            seg_start_GW=lay.seg_start_GW,
-            seg_len_GW=lay.seg_len_GW,
-            seg_pos_GW=lay.seg_pos_GW,
-            send_slot_S=s.row_slot_R if weights_TK is not None else None,
-            weights_TK=weights_TK,
-            pull=launch.dispatch_mode(plan.ws.world) == "pull",
-        )
-
-    def begin(self, plan: SymmPlan, dispatch: launch.Dispatch | None = None) -> None:
-        """Start an op that is not stage 1's forward; in pull mode first stage the rows peers will read."""
-        if dispatch is not None and dispatch.pull:
-            launch.stage_for_pull(plan.ws, dispatch.src_TH, dispatch.send_token_S)
-        launch.begin_op(plan.ws)
 
     def _broadcast_dgrad(self, plan: SymmPlan, src_TH: Tensor, *, gather_pool: bool, **gemm) -> None:
         """Broadcast mode's backward op after its barrier: copy ``src_TH`` (``dy`` or ``x``) to every
@@ -162,7 +173,7 @@ class SymmBackend:
         original's benchmark times its op on a reused handle.)"""
         ws, lay, s = plan.ws, plan.layout, plan.send
         h = x.new_empty(ws.pool_rows, w1_G2IH.shape[1])
-        broadcast = launch.dispatch_mode(ws.world) == "broadcast"
+        broadcast = ws.dispatch == "broadcast"
         send_weight_S = None  # broadcast mode: this rank's routing weights in send order, copied to peers
         if broadcast:
             send_weight_S = s.row_values_R(weights_TK).float()
@@ -176,7 +187,7 @@ class SymmBackend:
             tiles_X3=lay.tiles_X3,
             num_tiles_1=lay.num_tiles_1,
             out_RN=h,
-            push=None if broadcast else self.dispatch(plan, x, weights_TK),
+            push=None if broadcast else rows_to_move(plan, x, weights_TK),
             wait=True,
             local_rows=lay,
             broadcast=(x, s.row_token_R) if broadcast else None,
@@ -191,7 +202,7 @@ class SymmBackend:
         self, h_R2I: Tensor, dispatch_weights_R: Tensor, w2_GHI: Tensor, plan: SymmPlan, act_RI: None = None
     ) -> Tensor:
         ws, lay, s = plan.ws, plan.layout, plan.send
-        self.begin(plan)
+        begin(plan)
         a = h_R2I.new_empty(h_R2I.shape[0], w2_GHI.shape[2])
         swiglu_forward(h_R2I, a, lay.expert_start_G1[-1:])
         launch.fused_gemm(
@@ -230,15 +241,15 @@ class SymmBackend:
         w2 = w2_GHI.contiguous()
         gemm = dict(op="dgrad2", a_RK=dy_pool, b=w2, b_kn=True, tiles_X3=lay.tiles_X3,
                     num_tiles_1=lay.num_tiles_1, out_RN=da, wait=True)  # fmt: skip
-        if launch.dispatch_mode(ws.world) == "broadcast":
-            self.begin(plan)
+        if ws.dispatch == "broadcast":
+            begin(plan)
             # every rank copies dy whatever it needs (a peer may wait for it); the pool only for dW2
             self._broadcast_dgrad(
                 plan, dy, gather_pool=need_dw2, local_rows=lay, broadcast=(dy, s.row_token_R), **gemm
             )
         else:
-            dispatch = self.dispatch(plan, dy)
-            self.begin(plan, dispatch)
+            dispatch = rows_to_move(plan, dy)
+            begin(plan, dispatch)
             launch.fused_gemm(ws, push=dispatch, **gemm)
         dh = h_R2I.new_empty(P, 2 * inter)
         aw = h_R2I.new_empty(P, inter)
@@ -276,13 +287,13 @@ class SymmBackend:
         remote = launch.RemoteOut(lay.row_src_R, lay.row_pos_R, grad_dispatch_weights_R.float().contiguous())
         gemm = dict(op="dgrad1", a_RK=grad_h_R2I.contiguous(), b=w1, b_kn=True, tiles_X3=lay.tiles_X3,
                     num_tiles_1=lay.num_tiles_1, remote=remote)  # fmt: skip
-        broadcast = launch.dispatch_mode(ws.world) == "broadcast"
+        broadcast = ws.dispatch == "broadcast"
         if broadcast:  # x again, for dW1: copied to every peer, the pool filled beside the dgrad
-            self.begin(plan)
+            begin(plan)
             self._broadcast_dgrad(plan, x, gather_pool=need_dw1, **gemm)
         else:  # x again, for dW1: pushed into the pools by the dgrad kernel's comm role
-            dispatch = self.dispatch(plan, x)
-            self.begin(plan, dispatch)
+            dispatch = rows_to_move(plan, x)
+            begin(plan, dispatch)
             launch.fused_gemm(ws, push=dispatch, **gemm)
         launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
         dx = d_weights = dw1 = None

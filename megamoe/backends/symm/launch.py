@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -21,51 +20,21 @@ from megamoe.backends.symm.kernels import (
     _wait_kernel,
 )
 from megamoe.backends.symm.layout import SymmLayout
-from megamoe.backends.symm.workspace import SymmWorkspace, debug_enabled
+from megamoe.backends.symm.workspace import SymmWorkspace
 from megamoe.backends.triton.configs import gemm_config, num_programs
 from megamoe.backends.triton.side_gather import BLOCK_H as GATHER_BLOCK_H
 from megamoe.backends.triton.side_gather import BLOCK_R as GATHER_BLOCK_R
 from megamoe.backends.triton.side_gather import NUM_WARPS as GATHER_WARPS
 from megamoe.errors import InvalidConfigError
 
-_FOREVER = 2**31 - 1
-_DEBUG_SPINS = 5_000_000  # a few seconds of polling on a GPU
 
-
-def max_spins() -> int:
-    """Polls before a wait gives up: ``MEGAMOE_SYMM_WAIT_SPINS`` if set, else 5e6 in debug mode, else unbounded.
-
-    A wait that gives up records itself in the workspace state (see :meth:`SymmWorkspace.check`).
-    """
-    env = os.environ.get("MEGAMOE_SYMM_WAIT_SPINS")
-    if env:
-        return int(env)
-    return _DEBUG_SPINS if debug_enabled() else _FOREVER
-
-
-def comm_programs(device: torch.device) -> int:
-    """Programs that push rows before joining the GEMM (``MEGAMOE_SYMM_COMM_PROGRAMS``, default 40).
+def comm_programs(ws: SymmWorkspace, device: torch.device) -> int:
+    """Programs that push rows before joining the GEMM (the workspace's ``comm_programs``).
 
     One in the CPU interpreter: it runs programs one after another, so a second comm program would
     start only after the first had waited for its rows.
     """
-    if device.type != "cuda":
-        return 1
-    return int(os.environ.get("MEGAMOE_SYMM_COMM_PROGRAMS", "40"))
-
-
-def flat_waits() -> bool:
-    """Launches with a comm role run the GEMM programs' first tiles in a flattened fixed-stride loop
-    with loop-free waits (the poll loop in inline PTX on GPUs), the rest from the counter; measured
-    faster on 2 x H200 (layer 1.42x against 1.39x the NCCL pipeline). ``MEGAMOE_SYMM_FLAT_WAIT=0``
-    claims every tile from the counter."""
-    return os.environ.get("MEGAMOE_SYMM_FLAT_WAIT", "1") == "1"
-
-
-def tail_percent() -> int:
-    """With :func:`flat_waits`: per cent of the tiles claimed from the device counter
-    (``MEGAMOE_SYMM_TAIL``, default 25), where the comm programs join the GEMM."""
-    return int(os.environ.get("MEGAMOE_SYMM_TAIL", "25"))
+    return ws.settings.comm_programs if device.type == "cuda" else 1
 
 
 def begin_op(ws: SymmWorkspace, counts_E: Tensor | None = None) -> None:
@@ -82,7 +51,7 @@ def begin_op(ws: SymmWorkspace, counts_E: Tensor | None = None) -> None:
         ws.num_local_experts,
         ws.view("arrive"),
         ws.view("counts"),
-        max_spins(),
+        ws.settings.max_spins(),
         HAS_COUNTS=counts_E is not None,
         BLOCK_E=min(triton.next_power_of_2(max(E, 1)), 1024),
         num_warps=4,
@@ -92,30 +61,9 @@ def begin_op(ws: SymmWorkspace, counts_E: Tensor | None = None) -> None:
 def wait_flags(ws: SymmWorkspace, region: str, counter_id: int) -> None:
     """Wait until every flag of ``region`` (``pool_ready`` or ``combine_ready``) reached this op's epoch."""
     flags = ws.view(region).reshape(-1)
-    _wait_kernel[(1,)](flags, flags.numel(), ws.state, ws.rank, counter_id, max_spins(), num_warps=1)
-
-
-DISPATCH_MODES = ("push", "pull", "broadcast")
-
-
-def dispatch_mode(world: int) -> str:
-    """``MEGAMOE_SYMM_DISPATCH``: ``push`` (sources write into the destinations' pools), ``pull``
-    (sources stage their rows locally, destinations read them) or ``broadcast`` (each source copies
-    its whole ``x`` or ``dy`` into every peer's workspace with the copy engines; GEMM1 and GEMM2-dgrad
-    tiles gather rows from those copies by token, and in backward a kernel beside the dgrad fills the
-    pool from them for the wgrads).
-
-    Unset: ``broadcast`` in an EP group of 2, where it measured faster on 2 x H200 (layer 1.60x the
-    NCCL pipeline against push's 1.55x; forward dispatch op 1.15x against 1.03x, dy dispatch 1.32x
-    against 1.17x; docs/benchmarks.md), else ``push`` (broadcast moves each token once per peer, not
-    once per routed slot, but is not yet measured on more GPUs).
-    """
-    mode = os.environ.get("MEGAMOE_SYMM_DISPATCH") or ("broadcast" if world == 2 else "push")
-    if mode not in DISPATCH_MODES:
-        raise InvalidConfigError(
-            "MEGAMOE_SYMM_DISPATCH", mode, "unknown dispatch mode", f"Use one of {', '.join(DISPATCH_MODES)}"
-        )
-    return mode
+    _wait_kernel[(1,)](
+        flags, flags.numel(), ws.state, ws.rank, counter_id, ws.settings.max_spins(), num_warps=1
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,10 +119,10 @@ def broadcast_rows(
     """
     if not ws.shapes["bcast_x"][0][0]:
         raise InvalidConfigError(
-            "MEGAMOE_SYMM_DISPATCH",
+            "symm.dispatch (MEGAMOE_SYMM_DISPATCH)",
             "broadcast",
             "this EP group's workspace was allocated in another mode, without the broadcast regions",
-            "Set MEGAMOE_SYMM_DISPATCH on every rank before the first MegaMoE op",
+            "Use one dispatch mode on every rank from the first MegaMoE op on",
         )
     T, S, me = x_TH.shape[0], send_token_S.numel(), ws.rank
     rows = slice(me * ws.max_tokens, me * ws.max_tokens + T)
@@ -222,7 +170,7 @@ def gather_broadcast_rows(
         _gather_broadcast_rows_kernel[(grid,)](
             src_TH, send_token_S, ws.view("bcast_x"), ws.view("bcast_token"), layout.row_src_R,
             layout.row_pos_R, layout.expert_start_G1, pool, ws.state, ws.view("pool_ready"), ws.rank,
-            ws.world, G, src_TH.shape[1], ws.max_tokens, ws.max_tokens * ws.key.topk, grid, max_spins(),
+            ws.world, G, src_TH.shape[1], ws.max_tokens, ws.max_tokens * ws.key.topk, grid, ws.settings.max_spins(),
             BLOCK_R=GATHER_BLOCK_R, BLOCK_H=GATHER_BLOCK_H, num_warps=GATHER_WARPS,
         )  # fmt: skip
 
@@ -399,12 +347,12 @@ def fused_gemm(
         a_RK.stride(0),
         out_RN.stride(0) if out_RN is not None else 0,
         grid,
-        min(num_comm or comm_programs(a_RK.device), grid),
-        tail_percent(),
-        max_spins(),
+        min(num_comm or comm_programs(ws, a_RK.device), grid),
+        ws.settings.tail_percent,
+        ws.settings.max_spins(),
         COMM=push is not None,
         # without a comm role every tile is in the flattened loop, whose waits must be the flat ones
-        FLAT=(flat_waits() or (wait and push is None)) and ws.world <= MAX_FLAT_WORLD,
+        FLAT=(ws.settings.flat_wait or (wait and push is None)) and ws.world <= MAX_FLAT_WORLD,
         IN_PTX=a_RK.is_cuda,
         PULL=push is not None and push.pull,
         PUSH_WEIGHT=push is not None and push.weights_TK is not None,
@@ -428,19 +376,12 @@ def fused_gemm(
         num_stages=cfg["num_stages"],
         maxnreg=max_registers,
         trace_ptr=_trace_buffer(ws, grid),
-        TRACE=tracing(),
+        TRACE=ws.settings.trace,
     )
 
 
-def tracing() -> bool:
-    """``MEGAMOE_SYMM_TRACE=1``: every fused launch records each program's timeline (a profiling aid:
-    where the comm programs finish, when the GEMM programs run out of fixed-stride tiles, who takes the
-    counter tiles); read the last launch's with :func:`program_timeline`."""
-    return os.environ.get("MEGAMOE_SYMM_TRACE", "0") not in ("", "0")
-
-
 def _trace_buffer(ws: SymmWorkspace, grid: int) -> Tensor | None:
-    if not tracing():
+    if not ws.settings.trace:
         return None
     if ws.trace is None or ws.trace.shape[0] != grid:
         ws.trace = torch.zeros(grid, TRACE_SLOTS, dtype=torch.int64, device=ws.state.device)
@@ -451,13 +392,13 @@ def program_timeline(ws: SymmWorkspace) -> Tensor:
     """The last traced fused launch, one row per program: start, comm role done, fixed-stride tiles
     done, end (GPU global timer, ns; 0 on the CPU), tiles claimed from the counter."""
     if ws.trace is None:
-        raise RuntimeError("no traced launch: set MEGAMOE_SYMM_TRACE=1 before the fused kernel runs")
+        raise RuntimeError("no traced launch: build the workspace with symm.trace on (MEGAMOE_SYMM_TRACE=1)")
     return ws.trace.clone()
 
 
 def check(ws: SymmWorkspace) -> None:
     """Debug mode: synchronise and raise if a wait gave up (skipped while a CUDA graph is captured)."""
-    if not debug_enabled():
+    if not ws.settings.debug:
         return
     if ws.state.is_cuda:
         if torch.cuda.is_current_stream_capturing():

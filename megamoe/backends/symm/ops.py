@@ -7,7 +7,9 @@ its events. Between the steps the plan travels as tensors (:data:`STATE_FIELDS`:
 routing tables and the layout of stage 1's count exchange), so no step mutates an object that
 torch.compile would have to track, and the workspace is found again by its key. Every output has a
 static shape; the fake implementations need the workspace's pool rows P before the first step runs,
-from the workspace itself or from ``MEGAMOE_SYMM_MAX_TOKENS`` (:func:`~.workspace.pool_rows`).
+from the workspace itself or from the settings' ``max_tokens`` (:func:`~.workspace.pool_rows`). Stage 1
+takes the :class:`~megamoe.settings.SymmSettings` as text (custom ops take no objects); the later steps
+run with the workspace's.
 
 Stage 1's op does the routing sort, the count exchange, the layout and dispatch + GEMM1, as
 :class:`~.backend.SymmBackend` does eagerly: the layout needs the exchanged counts, and pull mode stages
@@ -17,6 +19,7 @@ Stage 1's op does the routing sort, the count exchange, the layout and dispatch 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -27,23 +30,39 @@ from megamoe.backends.symm.layout import SymmLayout
 from megamoe.backends.symm.workspace import WorkspaceKey, find_workspace, pool_rows
 from megamoe.backends.triton.configs import block_m
 from megamoe.backends.triton.routing import RoutingPlan, tile_table_rows
+from megamoe.settings import SymmSettings
 
 SEND_FIELDS = ("row_slot_R", "row_token_R", "slot_row_S", "expert_start_G1", "tiles_X3", "num_tiles_1")
 LAYOUT_FIELDS = tuple(SymmLayout.__dataclass_fields__)
 STATE_FIELDS = SEND_FIELDS + LAYOUT_FIELDS
 """the plan's tensors, in the order the ops take and return them"""
 
-_BACKEND = SymmBackend()
+
+@lru_cache(maxsize=16)
+def backend_for(settings: SymmSettings) -> SymmBackend:
+    """The eager steps with ``settings`` (one instance per settings)."""
+    return SymmBackend(settings)
+
+
+def _backend(settings: str) -> SymmBackend:
+    return backend_for(SymmSettings.from_json(settings))
+
+
+def symm_backend(state: SymmState) -> SymmBackend:
+    """The eager steps with ``state``'s settings."""
+    return _backend(state.settings)
 
 
 @dataclass(frozen=True, slots=True)
 class SymmState:
-    """What the autograd functions carry between the steps: the EP group by name, the routing, and
-    (after stage 1) the plan's tensors in :data:`STATE_FIELDS` order."""
+    """What the autograd functions carry between the steps: the EP group by name, the routing, the
+    settings (:meth:`SymmSettings.to_json`), and (after stage 1) the plan's tensors in
+    :data:`STATE_FIELDS` order."""
 
     group_name: str
     num_experts: int
     topk_idx_TK: Tensor
+    settings: str
     state: tuple[Tensor, ...] = ()
 
     def with_state(self, state: tuple[Tensor, ...]) -> SymmState:
@@ -72,11 +91,16 @@ def eager_plan(state: SymmState, x_like: Tensor) -> SymmPlan:
     """``state``'s plan for eager steps outside the custom ops: the send side alone before stage 1, the
     whole plan after it (``x_like`` as for :func:`_plan`)."""
     if not state.state:
-        return _BACKEND.make_plan(
+        return _backend(state.settings).make_plan(
             state.topk_idx_TK, num_experts=state.num_experts, group=_group(state.group_name)
         )
     T, K = state.topk_idx_TK.shape
     return _plan(list(state.state), state.group_name, state.num_experts, T, K, x_like)
+
+
+def _backend_of(plan: SymmPlan) -> SymmBackend:
+    """The steps after stage 1 run with the settings the workspace was allocated with."""
+    return backend_for(plan.ws.settings)
 
 
 def state_of(plan: SymmPlan) -> list[Tensor]:
@@ -96,19 +120,23 @@ def stage1_forward(
     w1_G2IH: Tensor,
     group_name: str,
     num_experts: int,
+    settings: str,
 ) -> list[Tensor]:
     """``[h [P, 2I], dispatch_weights [P], *state]``: routing, count exchange, layout, dispatch + GEMM1."""
-    plan = _BACKEND.make_plan(topk_idx_TK, num_experts=num_experts, group=_group(group_name))
-    h, weights, _ = _BACKEND.stage1_forward(x_TH, topk_weights_TK, w1_G2IH, plan)
+    backend = _backend(settings)
+    plan = backend.make_plan(topk_idx_TK, num_experts=num_experts, group=_group(group_name))
+    h, weights, _ = backend.stage1_forward(x_TH, topk_weights_TK, w1_G2IH, plan)
     return [h, weights, *state_of(plan)]
 
 
 @stage1_forward.register_fake
-def _(x_TH, topk_idx_TK, topk_weights_TK, w1_G2IH, group_name, num_experts):
+def _(x_TH, topk_idx_TK, topk_weights_TK, w1_G2IH, group_name, num_experts, settings):
     (T, K), H = topk_idx_TK.shape, x_TH.shape[1]
     world = _group(group_name).size()
     G, S, bm = num_experts // world, T * K, block_m(x_TH.device)
-    P = pool_rows(WorkspaceKey(group_name, K, num_experts, H, x_TH.dtype), world)
+    P = pool_rows(
+        WorkspaceKey(group_name, K, num_experts, H, x_TH.dtype), world, SymmSettings.from_json(settings)
+    )
 
     def i32(*shape: int) -> Tensor:
         return torch.empty(shape, dtype=torch.int32, device=x_TH.device)
@@ -133,7 +161,7 @@ def stage2_forward(
     """``y [T, H]``: SwiGLU, GEMM2 with the rows sent back to their sources, the sum over K."""
     hidden = h_P2I.new_empty(0, w2_GHI.shape[1])
     plan = _plan(state, group_name, num_experts, num_tokens, topk, hidden)
-    return _BACKEND.stage2_forward(h_P2I, dispatch_weights_P, w2_GHI, plan)
+    return _backend_of(plan).stage2_forward(h_P2I, dispatch_weights_P, w2_GHI, plan)
 
 
 @stage2_forward.register_fake
@@ -158,7 +186,7 @@ def stage2_backward(
     """``(dh, d_dispatch_weights, dW2)``; the ones not asked for have no elements."""
     hidden = h_P2I.new_empty(0, dy_TH.shape[1])
     plan = _plan(state, group_name, num_experts, dy_TH.shape[0], topk, hidden)
-    dh, d_weights, dw2 = _BACKEND.stage2_backward(
+    dh, d_weights, dw2 = _backend_of(plan).stage2_backward(
         h_P2I, dispatch_weights_P, w2_GHI, plan, dy_TH, (need_dh, need_dweights, need_dw2)
     )
     return _or_empty(dh, h_P2I), _or_empty(d_weights, dispatch_weights_P), _or_empty(dw2, w2_GHI)
@@ -201,7 +229,7 @@ def stage1_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, d_topk_weights, dW1)``, the dispatched ``x`` recomputed; those not asked for have no elements."""
     plan = _plan(state, group_name, num_experts, x_TH.shape[0], topk, x_TH)
-    dx, d_weights, dw1 = _BACKEND.stage1_backward(
+    dx, d_weights, dw1 = _backend_of(plan).stage1_backward(
         x_TH, w1_G2IH, plan, grad_h_P2I, grad_dispatch_weights_P, (need_dx, need_dweights, need_dw1)
     )
     return _or_empty(dx, x_TH), _or_empty(d_weights, grad_dispatch_weights_P), _or_empty(dw1, w1_G2IH)

@@ -24,18 +24,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megamoe.backends.symm import backend as fused
 from megamoe.backends.symm import launch
-from megamoe.backends.symm.backend import SymmBackend, SymmPlan
+from megamoe.backends.symm.backend import SymmPlan
 from megamoe.backends.symm.workspace import COUNTER_COMBINE, COUNTER_POOL
 from megamoe.backends.triton.combine import combine
-
-_SYMM = SymmBackend()
 
 
 def begin(plan: SymmPlan, src_TH: Tensor | None = None) -> None:
     """Start an op after stage 1; with ``src_TH``, one that will :func:`dispatch_rows` from it (pull mode
     stages its rows before the barrier)."""
-    _SYMM.begin(plan, None if src_TH is None else _SYMM.dispatch(plan, src_TH))
+    fused.begin(plan, None if src_TH is None else fused.rows_to_move(plan, src_TH))
 
 
 def dispatch_rows(
@@ -51,7 +50,7 @@ def dispatch_rows(
     Every rank sends whatever it needs itself, since its peers wait for its rows."""
     ws, lay, s = plan.ws, plan.layout, plan.send
     send_weight_S = None
-    if launch.dispatch_mode(ws.world) == "broadcast":
+    if ws.dispatch == "broadcast":
         if weights_TK is not None:
             send_weight_S = s.row_values_R(weights_TK).float()
         launch.broadcast_rows(ws, src_TH, s.row_token_R, send_weight_S)
@@ -62,7 +61,7 @@ def dispatch_rows(
         launch.join_broadcast(ws)
         rows, index = copies, launch.pool_tokens(ws, lay, s.row_token_R)
     else:
-        launch.push_rows(ws, _SYMM.dispatch(plan, src_TH, weights_TK))
+        launch.push_rows(ws, fused.rows_to_move(plan, src_TH, weights_TK))
         launch.wait_flags(ws, "pool_ready", COUNTER_POOL)
         rows, index = ws.view("pool"), None
     weights = None if weights_TK is None else launch.pool_weights(ws, lay, send_weight_S, weights_TK.dtype)

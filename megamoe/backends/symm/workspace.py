@@ -2,7 +2,7 @@
 
 Legend: W EP ranks, E experts, G = E / W local experts, K top-k, H hidden, T_max tokens per rank the
 workspace holds, P pool rows = min(W * T_max * min(K, G), ceil(F * T_max * K)): every row that can be
-routed to one rank, capped at F (``MEGAMOE_SYMM_CAPACITY``, default 2) times a balanced rank's share.
+routed to one rank, capped at F (``SymmSettings.capacity_factor``, default 2) times a balanced rank's share.
 
 Layout of the buffer (identical offsets on every rank, so a peer's address is its base + offset)::
 
@@ -25,7 +25,7 @@ writes into a pool or combine slot this rank may still read (the cross-layer reu
 original).
 
 Capacity: P sizes the pool and every per-layer row tensor (``h``, the activation, their gradients), so
-the worst case (``MEGAMOE_SYMM_CAPACITY=max``) costs W times a balanced rank's rows at EP = W. The
+the worst case (``capacity_factor=inf``, ``MEGAMOE_SYMM_CAPACITY=max``) costs W times a balanced rank's rows at EP = W. The
 default caps it at twice a balanced share, which equals the worst case at EP = 2. Rows past the cap
 are never computed silently: the layout records the largest row count a rank received, and
 :func:`check_capacity` (called by ``train pretrain`` before every optimizer step, and after every op
@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megamoe.errors import InvalidConfigError, MegaMoEError
+from megamoe.settings import SymmSettings
 
 _ALIGN = 256
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
@@ -90,11 +91,12 @@ class SymmWorkspace:
     copy it into a peer's ``pool_ready[me, :]`` right after the rows (stream order), so no kernel signals."""
     received_max: Tensor
     """the most routed rows one op brought to this rank since the last :meth:`check_capacity` (device)."""
-    capacity_factor: float
+    settings: SymmSettings
+    """what the workspace was allocated with, and what its launches run with."""
     programs: int | None = None
     """persistent grid of the fused kernel (default: one program per SM)."""
     trace: Tensor | None = None
-    """with ``MEGAMOE_SYMM_TRACE=1``: the last fused launch's per-program timeline (see ``launch``)."""
+    """with ``settings.trace``: the last fused launch's per-program timeline (see ``launch``)."""
     peers: list[Tensor] = field(default_factory=list)
     """every rank's whole buffer as a local uint8 tensor (broadcast mode copies into them)."""
     side_stream: object | None = None
@@ -105,6 +107,15 @@ class SymmWorkspace:
     @property
     def num_local_experts(self) -> int:
         return self.key.num_experts // self.world
+
+    @property
+    def dispatch(self) -> str:
+        """``push``, ``pull`` or ``broadcast`` (:meth:`SymmSettings.dispatch_mode` for this group)."""
+        return self.settings.dispatch_mode(self.world)
+
+    @property
+    def capacity_factor(self) -> float:
+        return self.settings.capacity_factor
 
     def view(self, name: str) -> Tensor:
         """This rank's region ``name`` as a typed tensor."""
@@ -141,7 +152,7 @@ class SymmWorkspace:
             f"the workspace holds {self.pool_rows} rows per rank (MEGAMOE_SYMM_CAPACITY="
             f"{self.capacity_factor:g} x {self.max_tokens} tokens x top-{self.key.topk}); the rows past it "
             "were not computed, so this step's outputs and gradients are invalid",
-            f"Set MEGAMOE_SYMM_CAPACITY>={received / share:.2f} (or 'max', the worst case: "
+            f"Set MEGAMOE_SYMM_CAPACITY>={received / share:.2f} (symm.capacity_factor; or 'max', the worst case: "
             f"{self.world} x the balanced share) on every rank, or balance the router",
         )
 
@@ -156,8 +167,8 @@ class SymmWorkspace:
                 seen,
                 f"a wait gave up (expected >= {expected}): a peer rank is stuck, crashed, or runs a "
                 "different sequence of MegaMoE ops",
-                "All EP ranks must call the same layers in the same order; rerun with "
-                "MEGAMOE_SYMM_DEBUG=1 on every rank to see which wait",
+                "All EP ranks must call the same layers in the same order; rerun with symm.debug "
+                "(MEGAMOE_SYMM_DEBUG=1) on every rank to see which wait",
             )
 
 
@@ -224,6 +235,7 @@ class BufferLayout:
         buffer: Tensor,
         ptrs_dev: int,
         keepalive: tuple,
+        settings: SymmSettings,
         peers: list[Tensor] | None = None,
     ) -> SymmWorkspace:
         """This rank's workspace over ``buffer`` (``total_bytes``, zeroed) whose peers ``ptrs_dev`` lists."""
@@ -241,31 +253,11 @@ class BufferLayout:
             task_done=torch.zeros(key.num_experts, dtype=torch.int32, device=buffer.device),
             signal_G=torch.zeros(key.num_experts // self.world, dtype=torch.int32, device=buffer.device),
             received_max=torch.zeros(1, dtype=torch.int32, device=buffer.device),
-            capacity_factor=self.capacity_factor,
+            settings=settings,
             offsets=self.offsets,
             shapes=self.shapes,
             peers=peers or [],
         )
-
-
-def capacity_factor() -> float:
-    """``MEGAMOE_SYMM_CAPACITY``: rows a rank's pool holds, in balanced shares (``T_max * K``); default 2,
-    ``max`` for the worst case (every row of every rank routed to one rank)."""
-    raw = os.environ.get("MEGAMOE_SYMM_CAPACITY", "2").strip()
-    if raw == "max":
-        return math.inf
-    try:
-        factor = float(raw)
-    except ValueError:
-        factor = math.nan
-    if not factor > 0:
-        raise InvalidConfigError(
-            "MEGAMOE_SYMM_CAPACITY",
-            raw,
-            "must be a positive number of balanced shares or 'max'",
-            "Use e.g. MEGAMOE_SYMM_CAPACITY=2 (the default) or MEGAMOE_SYMM_CAPACITY=max",
-        )
-    return factor
 
 
 def check_capacity() -> None:
@@ -273,11 +265,6 @@ def check_capacity() -> None:
     rank than its symmetric workspace holds (see the module docstring). A host sync; no-op without one."""
     for ws in _WORKSPACES.values():
         ws.check_capacity()
-
-
-def debug_enabled() -> bool:
-    """``MEGAMOE_SYMM_DEBUG=1``: bounded waits and a host check after each op (slower; for hangs)."""
-    return os.environ.get("MEGAMOE_SYMM_DEBUG", "0") not in ("", "0")
 
 
 _WORKSPACES: dict[WorkspaceKey, SymmWorkspace] = {}
@@ -288,29 +275,22 @@ def find_workspace(key: WorkspaceKey) -> SymmWorkspace | None:
     return _WORKSPACES.get(key)
 
 
-def _env_max_tokens() -> int | None:
-    """``MEGAMOE_SYMM_MAX_TOKENS``, the tokens per rank a workspace holds, or None when unset."""
-    env = os.environ.get("MEGAMOE_SYMM_MAX_TOKENS")
-    return int(env) if env else None
-
-
-def pool_rows(key: WorkspaceKey, world: int) -> int:
-    """The pool rows P of ``key``'s workspace: its own if it exists, else what ``MEGAMOE_SYMM_MAX_TOKENS``
+def pool_rows(key: WorkspaceKey, world: int, settings: SymmSettings) -> int:
+    """The pool rows P of ``key``'s workspace: its own if it exists, else what ``settings.max_tokens``
     sizes it to, with no collective (torch.compile traces the EP path before its first step allocates
     the workspace)."""
     ws = find_workspace(key)
     if ws is not None:
         return ws.pool_rows
-    max_tokens = _env_max_tokens()
-    if max_tokens is None:
+    if settings.max_tokens is None:
         raise InvalidConfigError(
-            "MEGAMOE_SYMM_MAX_TOKENS",
-            "unset",
+            "symm.max_tokens (MEGAMOE_SYMM_MAX_TOKENS)",
+            None,
             "torch.compile traces the EP path before its symmetric workspace exists, and the workspace's "
             "size (the largest token count over the group) is only agreed at its first eager use",
-            "Set MEGAMOE_SYMM_MAX_TOKENS (tokens per rank) on every rank, or run one step eagerly first",
+            "Set it (tokens per rank) on every rank, or run one step eagerly first",
         )
-    return BufferLayout.build(key, world, max(max_tokens, 1), capacity_factor()).pool_rows
+    return BufferLayout.build(key, world, settings.max_tokens, settings.capacity_factor).pool_rows
 
 
 def get_workspace(
@@ -322,16 +302,18 @@ def get_workspace(
     hidden: int,
     dtype: torch.dtype,
     device: torch.device,
+    settings: SymmSettings,
 ) -> SymmWorkspace:
     """The group's workspace, allocated on first use (a collective: every EP rank must call it).
 
-    The size bound is agreed once: ``MEGAMOE_SYMM_MAX_TOKENS`` if set, else the largest ``num_tokens``
-    over the group at the first call. A later call with more tokens raises on that rank.
+    The size bound is agreed once: ``settings.max_tokens`` if set, else the largest ``num_tokens``
+    over the group at the first call. A later call with more tokens raises on that rank. The first
+    call's ``settings`` stay with the workspace.
     """
     key = WorkspaceKey(group.group_name, topk, num_experts, hidden, dtype)
     ws = _WORKSPACES.get(key)
     if ws is None:
-        ws = _allocate(group, key, num_tokens, device)
+        ws = _allocate(group, key, num_tokens, device, settings)
         _WORKSPACES[key] = ws
     if num_tokens > ws.max_tokens:
         raise SymmCapacityError(
@@ -339,31 +321,29 @@ def get_workspace(
             num_tokens,
             f"the symmetric workspace holds {ws.max_tokens} tokens per rank (the largest count over the "
             "group at its first use); rows are never dropped, so the op refuses",
-            f"Set MEGAMOE_SYMM_MAX_TOKENS>={num_tokens} on every rank",
+            f"Set MEGAMOE_SYMM_MAX_TOKENS>={num_tokens} (symm.max_tokens) on every rank",
         )
     return ws
 
 
 def _allocate(
-    group: dist.ProcessGroup, key: WorkspaceKey, num_tokens: int, device: torch.device
+    group: dist.ProcessGroup, key: WorkspaceKey, num_tokens: int, device: torch.device, settings: SymmSettings
 ) -> SymmWorkspace:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if key.num_experts % world:
         raise MegaMoEError("num_experts", key.num_experts, f"does not split over {world} EP ranks")
-    max_tokens = _env_max_tokens()
+    max_tokens = settings.max_tokens
     if max_tokens is None:
         bound = torch.tensor([num_tokens], dtype=torch.int64, device=device)
         dist.all_reduce(bound, op=dist.ReduceOp.MAX, group=group)
         max_tokens = int(bound.item())
-    from megamoe.backends.symm.launch import dispatch_mode
-
-    broadcast = dispatch_mode(world) == "broadcast"
-    layout = BufferLayout.build(key, world, max(max_tokens, 1), capacity_factor(), broadcast=broadcast)
+    broadcast = settings.dispatch_mode(world) == "broadcast"
+    layout = BufferLayout.build(key, world, max(max_tokens, 1), settings.capacity_factor, broadcast=broadcast)
     if device.type == "cuda":
         buffer, ptrs_dev, keepalive, peers = _symmetric_cuda(group, layout.total_bytes, device, broadcast)
     else:
         buffer, ptrs_dev, keepalive, peers = _shared_host(group, layout.total_bytes)
-    return layout.workspace(group, key, rank, buffer, ptrs_dev, keepalive, peers)
+    return layout.workspace(group, key, rank, buffer, ptrs_dev, keepalive, settings, peers)
 
 
 def _symmetric_cuda(

@@ -60,6 +60,17 @@ class RoutingPlan:
     def num_rows(self) -> int:
         return self.num_tokens * self.topk
 
+    def kernel_tables(self) -> tuple[int, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """What the kernels of :mod:`megamoe.backends.triton.ops` take after ``topk``."""
+        return (
+            self.block_m,
+            self.row_token_R,
+            self.slot_row_S,
+            self.expert_start_G1,
+            self.tiles_X3,
+            self.num_tiles_1,
+        )
+
     @property
     def max_tiles(self) -> int:
         return int(self.tiles_X3.shape[0])

@@ -19,15 +19,12 @@ come from one :class:`~megamoe.quant.cache.WeightCache` (both forms, refreshed p
 filled by the Triton quantisers. The steps are plain Python around Triton launches (no
 ``torch.library`` custom ops yet): eager and CUDA graphs, not ``torch.compile(fullgraph=True)``.
 
-EP > 1 has the bf16 path's two transports (``MEGAMOE_EP_TRANSPORT``):
+This backend runs over a transport's :class:`~megamoe.backends.triton.rows.Rows`: one GPU, or
+``all_to_all_single`` for EP over any process group (split sizes read on the host, so not
+capturable), around the same kernels, which then see the received rows as tokens with one slot each.
+EP over symmetric memory is :class:`.ep_symm.MXFP8SymmBackend` (device-side copies, no host sync).
 
-* ``symm`` (default on CUDA): :mod:`.ep_symm`, rows moved through the symmetric-memory workspace by
-  device-side copies (no host sync: captures in a CUDA graph), not yet overlapped with the MX GEMMs;
-* ``nccl`` (default elsewhere): :class:`~megamoe.backends.exchange.TokenExchange` (NCCL/gloo
-  ``all_to_all_single``, split sizes read on the host, so not capturable) around the same kernels,
-  which then see the received rows as tokens with one slot each.
-
-Both move bf16 rows and quantise them on the expert's rank, which is bit-identical to quantising at
+Both EP paths move bf16 rows and quantise them on the expert's rank, which is bit-identical to quantising at
 the source because rowwise blocks commute with moving rows.
 """
 
@@ -35,17 +32,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megamoe.backends import ep_transport
-from megamoe.backends.exchange import TokenExchange
-from megamoe.backends.symm.ops import SymmState
+from megamoe.backends.base import StagedBackend
 from megamoe.backends.triton.combine import combine
 from megamoe.backends.triton.configs import block_m
-from megamoe.backends.triton.routing import build_received_plan, build_routing_plan
-from megamoe.backends.triton_mx import ep_symm
+from megamoe.backends.triton.rows import Rows, Transport
 from megamoe.backends.triton_mx.experts import MXExperts, RowPlan, check_widths, row_plan
 from megamoe.backends.triton_mx.weights import weight_cache
 from megamoe.quant.cache import WeightCache
@@ -53,61 +46,35 @@ from megamoe.quant.cache import WeightCache
 
 @dataclass(frozen=True, slots=True)
 class MXPlan:
-    """Device routing of one forward (reused by its backward); ``exchange`` moves rows between EP
-    ranks through NCCL (None: one GPU)."""
+    """Device routing of one forward (reused by its backward): the transport's rows and the MX
+    kernels' block tables over them."""
 
     rows: RowPlan
-    exchange: TokenExchange | None
+    moved: Rows
 
 
-def _ep_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
-
-
-class MXFP8TritonBackend:
-    """Implements :class:`~megamoe.backends.base.ExpertBackend` for ``precision="mxfp8"``.
-
-    At EP > 1 over symmetric memory the plan is a :class:`~megamoe.backends.symm.ops.SymmState`
-    (stage 1 returns the layout after ``act``; :meth:`with_stage1_state` hands it to the later steps).
-    """
+class MXFP8TritonBackend(StagedBackend):
+    """Implements :class:`~megamoe.backends.base.ExpertBackend` for ``precision="mxfp8"`` over
+    ``transport``."""
 
     name = "triton_mxfp8"
 
-    def __init__(self, weights: WeightCache | None = None) -> None:
+    def __init__(self, transport: Transport, weights: WeightCache | None = None) -> None:
+        self.transport = transport
         self.weight_cache = weights if weights is not None else weight_cache()
         self.experts = MXExperts(self.weight_cache)
 
-    def make_plan(
-        self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
-    ) -> MXPlan | SymmState:
-        device = topk_idx_TK.device
-        ep = _ep_size(group)
-        if ep > 1 and ep_transport(device) == "symm":
-            return SymmState(group.group_name, num_experts, topk_idx_TK)
-        if ep == 1:
-            routing = build_routing_plan(topk_idx_TK, num_experts=num_experts, block_m=block_m(device))
-            return MXPlan(row_plan(routing), None)
-        exchange = TokenExchange.build(topk_idx_TK, num_experts=num_experts, group=group)
-        routing = build_received_plan(exchange.tokens_per_expert, block_m=block_m(device), device=device)
-        return MXPlan(row_plan(routing), exchange)
-
-    def with_stage1_state(self, plan: MXPlan | SymmState, state: tuple[Tensor, ...]) -> MXPlan | SymmState:
-        """The plan with what stage 1 returned after ``act`` (the symmetric-memory path's layout)."""
-        return plan.with_state(state) if isinstance(plan, SymmState) else plan
+    def make_plan(self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None) -> MXPlan:
+        bm = block_m(topk_idx_TK.device)
+        moved = self.transport.rows(topk_idx_TK, num_experts=num_experts, group=group, block_m=bm)
+        return MXPlan(row_plan(moved.routing), moved)
 
     def stage1_forward(
-        self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: MXPlan | SymmState
+        self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: MXPlan
     ) -> tuple[Tensor | None, ...]:
-        if isinstance(plan, SymmState):
-            return ep_symm.stage1_forward(self.experts, x_TH, topk_weights_TK, w1_G2IH, plan)
         check_widths(x_TH.shape[1], w1_G2IH.shape[1] // 2)
         r = plan.rows.routing
-        if plan.exchange is None:
-            rows = x_TH.contiguous()
-            weights_R = r.row_values_R(topk_weights_TK)
-        else:
-            rows = plan.exchange.dispatch_tokens(x_TH.contiguous())
-            weights_R = plan.exchange.dispatch_slot_values(topk_weights_TK)
+        rows, weights_R = plan.moved.tokens_in(x_TH), plan.moved.weights_in(topk_weights_TK)
         return self.experts.gemm1(rows, w1_G2IH, plan.rows, r.row_token_R), weights_R, None
 
     def stage2_forward(
@@ -115,12 +82,10 @@ class MXFP8TritonBackend:
         h_R2I: Tensor,
         dispatch_weights_R: Tensor,
         w2_GHI: Tensor,
-        plan: MXPlan | SymmState,
+        plan: MXPlan,
         act_RI: Tensor | None = None,
     ) -> Tensor:
         """``act_RI`` is ignored: the SwiGLU pass is where ``q(a)`` is made (stage 1 never makes one)."""
-        if isinstance(plan, SymmState):
-            return ep_symm.stage2_forward(self.experts, h_R2I, dispatch_weights_R, w2_GHI, plan)
         r = plan.rows.routing
         h = h_R2I.contiguous()
         y = h.new_empty(r.num_tokens, w2_GHI.shape[1])  # the combine writes every token
@@ -129,34 +94,25 @@ class MXFP8TritonBackend:
         else:
             o = self.experts.gemm2(h, w2_GHI, plan.rows)
             combine(o, r.slot_row_S, y, topk=r.topk, weights_R=dispatch_weights_R.contiguous())
-        if plan.exchange is None:
-            return y
-        return plan.exchange.combine_tokens(y, acc_dtype=torch.float32).to(h_R2I.dtype)
+        return plan.moved.tokens_out(y, h_R2I.dtype)
 
     def stage2_backward(
         self,
         h_R2I: Tensor,
         dispatch_weights_R: Tensor,
         w2_GHI: Tensor,
-        plan: MXPlan | SymmState,
+        plan: MXPlan,
         dy_TH: Tensor,
         needs_grad: tuple[bool, bool, bool],
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        if isinstance(plan, SymmState):
-            return ep_symm.stage2_backward(
-                self.experts, h_R2I, dispatch_weights_R, w2_GHI, plan, dy_TH, needs_grad
-            )
         need_dh, need_dweights, need_dw2 = needs_grad
         r = plan.rows.routing
-        dy = dy_TH.to(h_R2I.dtype).contiguous()
-        if plan.exchange is not None:
-            dy = plan.exchange.dispatch_tokens(dy)
         dh, d_weights, dw2 = self.experts.gemm2_backward(
             h_R2I.contiguous(),
             dispatch_weights_R.contiguous(),
             w2_GHI,
             plan.rows,
-            dy,
+            plan.moved.tokens_in(dy_TH.to(h_R2I.dtype)),
             r.row_token_R,
             need_dw2,
         )
@@ -170,19 +126,14 @@ class MXFP8TritonBackend:
         self,
         x_TH: Tensor,
         w1_G2IH: Tensor,
-        plan: MXPlan | SymmState,
+        plan: MXPlan,
         grad_h_R2I: Tensor,
         grad_dispatch_weights_R: Tensor,
         needs_grad: tuple[bool, bool, bool],
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        if isinstance(plan, SymmState):
-            return ep_symm.stage1_backward(
-                self.experts, x_TH, w1_G2IH, plan, grad_h_R2I, grad_dispatch_weights_R, needs_grad
-            )
         need_dx, need_dweights, need_dw1 = needs_grad
         r = plan.rows.routing
-        ex = plan.exchange
-        rows = x_TH.contiguous() if ex is None else ex.dispatch_tokens(x_TH.contiguous())
+        rows = plan.moved.tokens_in(x_TH)
         grad_h = grad_h_R2I.contiguous()
         dx = d_weights = dw1 = None
         if need_dx:
@@ -192,13 +143,9 @@ class MXFP8TritonBackend:
             else:
                 dx_rows = self.experts.dgrad1(grad_h, w1_G2IH, plan.rows)
                 combine(dx_rows, r.slot_row_S, dx, topk=r.topk, weights_R=None)
-            if ex is not None:
-                dx = ex.combine_tokens(dx, acc_dtype=torch.float32).to(x_TH.dtype)
+            dx = plan.moved.tokens_out(dx, x_TH.dtype)
         if need_dw1:
             dw1 = self.experts.wgrad1(grad_h, rows, w1_G2IH, plan.rows, r.row_token_R)
         if need_dweights:
-            if ex is None:
-                d_weights = r.slot_values_TK(grad_dispatch_weights_R)
-            else:
-                d_weights = ex.combine_slot_values(grad_dispatch_weights_R)
+            d_weights = plan.moved.slot_values_out(grad_dispatch_weights_R)
         return dx, d_weights, dw1

@@ -1,4 +1,4 @@
-"""MXFP8 at EP > 1 over the symmetric-memory workspace (``MEGAMOE_EP_TRANSPORT=symm``, the CUDA default).
+"""MXFP8 at EP > 1 over the symmetric-memory workspace (the CUDA default transport at EP > 1).
 
 Legend: T tokens, H hidden, I intermediate, K top-k, P pool rows (expert-major; past ``expert_start[G]``
 padding).
@@ -24,16 +24,19 @@ source (rowwise blocks commute with moving rows).
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import Tensor
 
+from megamoe.backends.base import StagedBackend
 from megamoe.backends.symm import launch, transport
-from megamoe.backends.symm.backend import SymmBackend, SymmPlan
-from megamoe.backends.symm.ops import SymmState, eager_plan, state_of
+from megamoe.backends.symm.backend import SymmPlan
+from megamoe.backends.symm.ops import SymmState, eager_plan, state_of, symm_backend
 from megamoe.backends.symm.workspace import STATE_DONE
 from megamoe.backends.triton_mx.experts import MXExperts, check_widths, row_plan
 from megamoe.backends.triton_mx.grouped_gemm import RemoteRows
-
-_SYMM = SymmBackend()
+from megamoe.backends.triton_mx.weights import weight_cache
+from megamoe.quant.cache import WeightCache
+from megamoe.settings import SymmSettings
 
 
 def _to_sources(
@@ -64,7 +67,7 @@ def stage1_forward(
     check_widths(x_TH.shape[1], w1_G2IH.shape[1] // 2)
     x, weights_TK = x_TH.contiguous(), topk_weights_TK.contiguous()
     plan = eager_plan(state, x)
-    _SYMM.exchange(plan, x, weights_TK)
+    symm_backend(state).exchange(plan, x, weights_TK)
     rows, index, weights = transport.dispatch_rows(plan, x, weights_TK)
     h = experts.gemm1(rows, w1_G2IH, row_plan(plan.recv), index)
     launch.check(plan.ws)
@@ -137,3 +140,39 @@ def stage1_backward(
     dw1 = experts.wgrad1(grad_h, x_rows, w1_G2IH, rows, index) if need_dw1 else None
     launch.check(plan.ws)
     return dx, d_weights, dw1
+
+
+class MXFP8SymmBackend(StagedBackend):
+    """Implements :class:`~megamoe.backends.base.ExpertBackend` for ``precision="mxfp8"`` at EP > 1
+    over symmetric memory, with the one-GPU MX kernels of :class:`MXFP8TritonBackend`'s weight cache."""
+
+    name = "triton_mxfp8_symm"
+
+    def __init__(self, settings: SymmSettings, weights: WeightCache | None = None) -> None:
+        self.settings = settings.to_json()
+        self.weight_cache = weights if weights is not None else weight_cache()
+        self.experts = MXExperts(self.weight_cache)
+
+    def make_plan(
+        self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
+    ) -> SymmState:
+        if group is None:
+            raise ValueError("the symmetric-memory path needs an EP process group")
+        return SymmState(group.group_name, num_experts, topk_idx_TK, self.settings)
+
+    def with_stage1_state(self, plan: SymmState, state: tuple[Tensor, ...]) -> SymmState:
+        return plan.with_state(state)
+
+    def stage1_forward(self, x_TH, topk_weights_TK, w1_G2IH, plan):
+        return stage1_forward(self.experts, x_TH, topk_weights_TK, w1_G2IH, plan)
+
+    def stage2_forward(self, h_R2I, dispatch_weights_R, w2_GHI, plan, act_RI=None):
+        return stage2_forward(self.experts, h_R2I, dispatch_weights_R, w2_GHI, plan)
+
+    def stage2_backward(self, h_R2I, dispatch_weights_R, w2_GHI, plan, dy_TH, needs_grad):
+        return stage2_backward(self.experts, h_R2I, dispatch_weights_R, w2_GHI, plan, dy_TH, needs_grad)
+
+    def stage1_backward(self, x_TH, w1_G2IH, plan, grad_h_R2I, grad_dispatch_weights_R, needs_grad):
+        return stage1_backward(
+            self.experts, x_TH, w1_G2IH, plan, grad_h_R2I, grad_dispatch_weights_R, needs_grad
+        )

@@ -120,6 +120,7 @@ def _stuck_peer_rank(rank: int, world: int, case: tuple) -> str:
     import torch.distributed as dist
 
     from megamoe.backends.symm.workspace import SymmTimeoutError, get_workspace
+    from megamoe.settings import SymmSettings
     from tests.megamoe.triton.interpreter_compat import install
 
     install()
@@ -140,6 +141,7 @@ def _stuck_peer_rank(rank: int, world: int, case: tuple) -> str:
             hidden=16,
             dtype=x.dtype,
             device=x.device,
+            settings=SymmSettings.from_env(),
         )
         return ""
     with pytest.raises(SymmTimeoutError) as err:
@@ -200,14 +202,15 @@ def _comm_only_rank(rank: int, world: int, case: tuple, num_comm: int, dispatch:
 
     from megamoe.backends.exchange import TokenExchange
     from megamoe.backends.symm import launch
-    from megamoe.backends.symm.backend import SymmBackend
+    from megamoe.backends.symm.backend import SymmBackend, rows_to_move
+    from megamoe.settings import SymmSettings
     from tests.megamoe.triton.interpreter_compat import install
 
     install()
     os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
     x, idx, tw, w1, _, _ = (t[0][rank] for t in case)
     E, group = w1.shape[0], dist.group.WORLD
-    backend = SymmBackend()
+    backend = SymmBackend(SymmSettings.from_env())
     plan = backend.make_plan(idx, num_experts=E, group=group)
     backend.exchange(plan, x, tw)
     ws = plan.ws
@@ -220,7 +223,7 @@ def _comm_only_rank(rank: int, world: int, case: tuple, num_comm: int, dispatch:
         tiles_X3=plan.layout.tiles_X3,
         num_tiles_1=torch.zeros(1, dtype=torch.int32),
         out_RN=torch.empty(ws.pool_rows, w1.shape[1]),
-        push=backend.dispatch(plan, x, tw),
+        push=rows_to_move(plan, x, tw),
         num_comm=num_comm,
     )
     dist.barrier()  # every rank's pushes are done (kernels run synchronously on the CPU)
@@ -289,6 +292,7 @@ def _traced_rank(rank: int, world: int, case: tuple) -> tuple[list[list[int]], i
     from megamoe.backends.symm import launch
     from megamoe.backends.symm.backend import SymmBackend
     from megamoe.backends.triton.configs import gemm_config
+    from megamoe.settings import SymmSettings
     from tests.megamoe.triton.interpreter_compat import install
 
     install()
@@ -300,7 +304,7 @@ def _traced_rank(rank: int, world: int, case: tuple) -> tuple[list[list[int]], i
     )
     x, idx, tw, w1, _, _ = (t[0][rank] for t in case)
     E = w1.shape[0]
-    backend = SymmBackend()
+    backend = SymmBackend(SymmSettings.from_env())
     plan = backend.make_plan(idx, num_experts=E, group=dist.group.WORLD)
     h = backend.stage1_forward(x, tw, w1[rank * 2 : rank * 2 + 2], plan)[0]
     total = int(plan.layout.num_tiles_1) * -(-h.shape[1] // gemm_config("gemm1", x.device)["BLOCK_N"])

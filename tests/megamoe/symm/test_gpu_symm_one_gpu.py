@@ -42,8 +42,9 @@ def _inputs(T: int, H: int, I: int, G: int, K: int, E: int, seed: int, device: s
 def _symm_step(x, idx, tw, w1, w2, dy, group):
     from megamoe.backends.symm.backend import SymmBackend
     from megamoe.ops import MegaMoEHandle, _DispatchGroupedGemm, _GroupedGemmCombine
+    from megamoe.settings import SymmSettings
 
-    backend = SymmBackend()
+    backend = SymmBackend(SymmSettings.from_env())
     leaves = [t.detach().requires_grad_() for t in (x, tw, w1, w2)]
     plan = backend.make_plan(idx, num_experts=w1.shape[0], group=group)
     handle = MegaMoEHandle(backend, plan, x.shape[0])
@@ -98,9 +99,11 @@ def _ranks_on_one_gpu(
     from types import SimpleNamespace
 
     from megamoe.backends.symm import workspace as wsm
+    from megamoe.settings import SymmSettings
 
+    settings = SymmSettings.from_env()
     key_of = lambda name: wsm.WorkspaceKey(name, topk, num_experts, hidden, torch.bfloat16)  # noqa: E731
-    layout = wsm.BufferLayout.build(key_of(""), world, max_tokens, wsm.capacity_factor())
+    layout = wsm.BufferLayout.build(key_of(""), world, max_tokens, settings.capacity_factor)
     buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device="cuda") for _ in range(world)]
     table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -108,7 +111,7 @@ def _ranks_on_one_gpu(
     for rank in range(world):
         group = SimpleNamespace(group_name=f"{name}-rank-{rank}", stream=torch.cuda.Stream())
         key = key_of(group.group_name)
-        ws = layout.workspace(group, key, rank, buffers[rank], table.data_ptr(), (buffers, table))
+        ws = layout.workspace(group, key, rank, buffers[rank], table.data_ptr(), (buffers, table), settings)
         ws.programs = sms // world - 2
         wsm._WORKSPACES[key] = ws
         groups.append(group)
@@ -122,6 +125,7 @@ def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...])
     from megamoe.backends.symm.layout import build_layout
     from megamoe.backends.triton.configs import block_m
     from megamoe.ops import MegaMoEHandle, _DispatchGroupedGemm, _GroupedGemmCombine
+    from megamoe.settings import SymmSettings
 
     W, H, I, E, K = len(tokens), 512, 256, 8, 4
     G = E // W
@@ -142,7 +146,7 @@ def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...])
     )  # fmt: skip
     torch.cuda.synchronize()
     groups = _ranks_on_one_gpu(W, topk=K, num_experts=E, hidden=H, max_tokens=max(tokens))
-    backend = SymmBackend()
+    backend = SymmBackend(SymmSettings.from_env())
     failures = []
     for layer in range(layers):
         cases = [_inputs(T, H, I, G, K, E, seed=100 * layer + r) for r, T in enumerate(tokens)]

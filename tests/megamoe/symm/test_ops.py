@@ -18,6 +18,7 @@ import torch
 from megamoe.backends.symm import ops as symm_ops
 from megamoe.backends.symm.workspace import WorkspaceKey, pool_rows
 from megamoe.errors import InvalidConfigError
+from megamoe.settings import SymmSettings
 from tests._dist import run_ranks
 from tests.megamoe.triton.test_backend import GRADS, _case
 
@@ -67,8 +68,9 @@ def _fake_vs_real_rank(rank: int, world: int) -> dict[str, tuple]:
 
     report = {}
     # before the first op: the fake stage 1 sizes the pool from MEGAMOE_SYMM_MAX_TOKENS
-    report["stage1_forward"] = (fake(symm_ops.stage1_forward, x, idx, tw, w1, name, E),)
-    h, weights, *state = symm_ops.stage1_forward(x, idx, tw, w1, name, E)
+    settings = SymmSettings.from_env().to_json()
+    report["stage1_forward"] = (fake(symm_ops.stage1_forward, x, idx, tw, w1, name, E, settings),)
+    h, weights, *state = symm_ops.stage1_forward(x, idx, tw, w1, name, E, settings)
     report["stage1_forward"] += (_meta([h, weights, *state]),)
     args2 = (h, weights, w2, state, name, E, T, K)
     y = symm_ops.stage2_forward(*args2)
@@ -117,13 +119,13 @@ def test_the_layer_compiles_as_one_graph_with_eager_bits(tmp_path) -> None:
         assert all(report.values()), f"rank {rank}: compiled differs from eager: {report}"
 
 
-def test_tracing_before_the_workspace_exists_needs_its_size(monkeypatch) -> None:
-    monkeypatch.delenv("MEGAMOE_SYMM_MAX_TOKENS", raising=False)
+def test_tracing_before_the_workspace_exists_needs_its_size() -> None:
     key = WorkspaceKey("no-such-group", K, E, H, torch.float32)
     with pytest.raises(InvalidConfigError, match="MEGAMOE_SYMM_MAX_TOKENS"):
-        pool_rows(key, 2)
-    monkeypatch.setenv("MEGAMOE_SYMM_MAX_TOKENS", "10")
-    assert pool_rows(key, 2) == 2 * 10 * K  # capacity 2: the worst case at EP = 2
+        pool_rows(key, 2, SymmSettings())
+    assert (
+        pool_rows(key, 2, SymmSettings(max_tokens=10)) == 2 * 10 * K
+    )  # capacity 2: the worst case at EP = 2
 
 
 def _two_stage_rank(rank: int, world: int) -> dict[str, bool]:

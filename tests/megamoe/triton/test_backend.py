@@ -118,17 +118,3 @@ def test_triton_ep2_over_gloo_matches_one_rank_reference(tmp_path) -> None:
         torch.testing.assert_close(
             torch.cat([results[0][name], results[1][name]]), total, rtol=1e-4, atol=1e-5
         )
-
-
-def test_ep_transport_defaults_and_rejects_unknown_values(monkeypatch) -> None:
-    from megamoe.backends import ep_transport
-    from megamoe.errors import InvalidConfigError
-
-    monkeypatch.delenv("MEGAMOE_EP_TRANSPORT", raising=False)
-    assert ep_transport(torch.device("cuda")) == "symm"
-    assert ep_transport(torch.device("cpu")) == "nccl"
-    monkeypatch.setenv("MEGAMOE_EP_TRANSPORT", "nccl")
-    assert ep_transport(torch.device("cuda")) == "nccl"
-    monkeypatch.setenv("MEGAMOE_EP_TRANSPORT", "nvshmem")
-    with pytest.raises(InvalidConfigError, match=r"MEGAMOE_EP_TRANSPORT='nvshmem'.*Use one of symm, nccl"):
-        ep_transport(torch.device("cuda"))

@@ -159,10 +159,11 @@ EPILOGUE_CASES = [
 def _gemm1_with_epilogue(shape: ModelShape, routing: str, drop: float, empty: int):
     from megamoe.backends.triton import ops
     from megamoe.backends.triton.backend import TritonBackend
+    from megamoe.backends.triton.rows import LocalTransport
 
     x, idx, _, w1, _, _ = _inputs(shape, routing, drop=drop, empty_experts=empty)
-    plan = TritonBackend().make_plan(idx, num_experts=shape.experts, group=None)
-    h, act = ops.gemm1_forward(x, w1, shape.topk, *plan.tables())
+    plan = TritonBackend(LocalTransport()).make_plan(idx, num_experts=shape.experts, group=None)
+    h, act = ops.gemm1_forward(x, w1, shape.topk, *plan.routing.kernel_tables())
     return x, w1, plan.routing, h, act, int(plan.routing.expert_start_G1[-1])
 
 

@@ -20,6 +20,7 @@ from megamoe.backends.triton import ops
 from megamoe.backends.triton.backend import TritonBackend
 from megamoe.backends.triton.configs import gemm_config, num_programs
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
+from megamoe.backends.triton.rows import LocalTransport
 from megamoe.backends.triton.swiglu import swiglu_forward
 
 CPU = torch.device("cpu")
@@ -78,7 +79,7 @@ def test_gemm1_swiglu_epilogue_equals_gemm1_then_swiglu_pass_bitwise(case, dtype
     full tiles and ragged last tiles of each expert both occur."""
     x, idx, _, w1, _, _ = _case(*case, dtype=dtype)
     T, K, I = x.shape[0], idx.shape[1], w1.shape[1] // 2
-    r = TritonBackend().make_plan(idx, num_experts=w1.shape[0], group=None).routing
+    r = TritonBackend(LocalTransport()).make_plan(idx, num_experts=w1.shape[0], group=None).routing
     config = {**gemm_config("gemm1", CPU), "BLOCK_N": block_n}
 
     def gemm1(out, act=None):
@@ -120,7 +121,7 @@ def test_gemm1_swiglu_epilogue_equals_gemm1_then_swiglu_pass_bitwise(case, dtype
 def test_grouped_gemm_without_epilogue_writes_every_row(case) -> None:
     """The plain GEMM (no epilogue, rows gathered) writes every row of the plan: ``x[token] @ W1[expert]^T``."""
     x, idx, _, w1, _, _ = _case(*case)
-    r = TritonBackend().make_plan(idx, num_experts=w1.shape[0], group=None).routing
+    r = TritonBackend(LocalTransport()).make_plan(idx, num_experts=w1.shape[0], group=None).routing
     out = torch.full((x.shape[0] * idx.shape[1], w1.shape[1]), float("nan"))
     grouped_gemm(
         x,
@@ -238,7 +239,7 @@ def test_triton_torch_compile_fullgraph_aot_eager_uses_the_epilogue_activation(
     from torch._dynamo.testing import CompileCounterWithBackend
 
     x, idx, tw, w1, w2, dy = _case(*CASES["drops-empty-experts"])
-    plan = TritonBackend().make_plan(idx, num_experts=w1.shape[0], group=None)
+    plan = TritonBackend(LocalTransport()).make_plan(idx, num_experts=w1.shape[0], group=None)
     monkeypatch.setattr(TritonBackend, "make_plan", lambda self, *args, **kwargs: plan)
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)  # the Makefile sets it for the suite
     counter = CompileCounterWithBackend("aot_eager")

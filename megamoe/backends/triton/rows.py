@@ -1,0 +1,111 @@
+"""The transport part of the Triton backends when the exchange is not fused into their kernels.
+
+Legend: T tokens, K top-k, G local experts, R rows the kernels compute.
+
+A transport turns one forward's routing into :class:`Rows`: the routing plan the expert kernels run
+over, and how tokens and per-slot scalars get to those rows and back. The expert math (bf16 in
+:mod:`.backend`, MXFP8 in :mod:`megamoe.backends.triton_mx.backend`) is written once against it:
+
+* :class:`LocalRows` (one GPU): the kernels gather ``x`` by token themselves (K slots per token) and
+  their combine writes ``y``; nothing moves;
+* :class:`ExchangedRows` (EP over any process group): ``all_to_all_single`` moves the rows
+  (:class:`~megamoe.backends.exchange.TokenExchange`, split sizes read on the host), and the kernels
+  see the received rows as R tokens with one slot each.
+
+The fused symmetric-memory path is not a transport here: its kernels move the rows themselves
+(:mod:`megamoe.backends.symm`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megamoe.backends.exchange import TokenExchange
+from megamoe.backends.triton.routing import RoutingPlan, build_received_plan, build_routing_plan
+
+
+class Rows(Protocol):
+    routing: RoutingPlan
+
+    def tokens_in(self, x_TH: Tensor) -> Tensor:
+        """What the kernels read as tokens (``x`` or ``dy``)."""
+        ...
+
+    def weights_in(self, topk_weights_TK: Tensor) -> Tensor:
+        """Each row's routing weight ``[R]``."""
+        ...
+
+    def tokens_out(self, y: Tensor, dtype: torch.dtype) -> Tensor:
+        """The kernels' combined output back as ``[T, H]`` in ``dtype``."""
+        ...
+
+    def slot_values_out(self, values_R: Tensor) -> Tensor:
+        """Per-row scalars back to their slots ``[T, K]`` (zero for dropped slots)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LocalRows:
+    routing: RoutingPlan
+
+    def tokens_in(self, x_TH: Tensor) -> Tensor:
+        return x_TH.contiguous()
+
+    def weights_in(self, topk_weights_TK: Tensor) -> Tensor:
+        return self.routing.row_values_R(topk_weights_TK)
+
+    def tokens_out(self, y: Tensor, dtype: torch.dtype) -> Tensor:
+        return y
+
+    def slot_values_out(self, values_R: Tensor) -> Tensor:
+        return self.routing.slot_values_TK(values_R)
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangedRows:
+    routing: RoutingPlan
+    exchange: TokenExchange
+
+    def tokens_in(self, x_TH: Tensor) -> Tensor:
+        return self.exchange.dispatch_tokens(x_TH.contiguous())
+
+    def weights_in(self, topk_weights_TK: Tensor) -> Tensor:
+        return self.exchange.dispatch_slot_values(topk_weights_TK)
+
+    def tokens_out(self, y: Tensor, dtype: torch.dtype) -> Tensor:
+        return self.exchange.combine_tokens(y, acc_dtype=torch.float32).to(dtype)
+
+    def slot_values_out(self, values_R: Tensor) -> Tensor:
+        return self.exchange.combine_slot_values(values_R)
+
+
+class LocalTransport:
+    """One GPU (or an EP group of one)."""
+
+    name = "local"
+
+    def rows(
+        self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None, block_m: int
+    ) -> LocalRows:
+        return LocalRows(build_routing_plan(topk_idx_TK, num_experts=num_experts, block_m=block_m))
+
+
+class AllToAllTransport:
+    """EP over any process group with ``all_to_all_single`` (NCCL on GPUs, gloo on CPUs)."""
+
+    name = "nccl"
+
+    def rows(
+        self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None, block_m: int
+    ) -> ExchangedRows:
+        exchange = TokenExchange.build(topk_idx_TK, num_experts=num_experts, group=group)
+        routing = build_received_plan(exchange.tokens_per_expert, block_m=block_m, device=topk_idx_TK.device)
+        return ExchangedRows(routing, exchange)
+
+
+Transport = LocalTransport | AllToAllTransport
