@@ -227,7 +227,7 @@ def op_legs(
 
     def fwd2_comm():
         launch.begin_op(ws)
-        gemm("gemm2", a, w2, False, remote=remote, skip_mma=True)
+        gemm("gemm2", a, w2, False, remote=remote, variant="comm_only")
         launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
         combine(ws.view("combine"), s.slot_row_S, y, topk=s.topk, weights_R=None)
 
@@ -238,7 +238,7 @@ def op_legs(
 
     def bwd2_broadcast(num_tiles_1):  # copies, dgrad tiles gathering them, the pool filled beside
         fused.begin(plan)
-        sb._broadcast_dgrad(
+        sb.broadcast_dgrad(
             plan, dy, gather_pool=True, op="dgrad2", a_RK=pool, b=w2, b_kn=True, tiles_X3=lay.tiles_X3,
             num_tiles_1=num_tiles_1, out_RN=da, wait=True, local_rows=lay, broadcast=(dy, s.row_token_R),
         )  # fmt: skip
@@ -260,25 +260,25 @@ def op_legs(
     def bwd2_gemm():
         gemm("dgrad2", pool, w2, True, out_RN=da)
 
-    def bwd1(skip_mma: bool):
+    def bwd1(variant: str):
         if broadcast():  # x copied to the peers, the pool filled beside the dgrad
             fused.begin(plan)
-            sb._broadcast_dgrad(
+            sb.broadcast_dgrad(
                 plan, x, gather_pool=True, op="dgrad1", a_RK=dh, b=w1, b_kn=True, tiles_X3=lay.tiles_X3,
-                num_tiles_1=lay.num_tiles_1, remote=remote_scalar, skip_mma=skip_mma,
+                num_tiles_1=lay.num_tiles_1, remote=remote_scalar, variant=variant,
             )  # fmt: skip
         else:
             d = fused.rows_to_move(plan, x)
             fused.begin(plan, d)
-            gemm("dgrad1", dh, w1, True, push=d, remote=remote_scalar, skip_mma=skip_mma)
+            gemm("dgrad1", dh, w1, True, push=d, remote=remote_scalar, variant=variant)
         launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
         combine(ws.view("combine"), s.slot_row_S, y, topk=s.topk, weights_R=None)
 
     def bwd1_full():
-        bwd1(skip_mma=False)
+        bwd1("production")
 
     def bwd1_comm():
-        bwd1(skip_mma=True)
+        bwd1(variant="comm_only")
 
     def bwd1_gemm():
         gemm("dgrad1", dh, w1, True, out_RN=local_h)

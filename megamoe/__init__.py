@@ -8,17 +8,20 @@ from megamoe.errors import InvalidConfigError, MegaMoEError, UnsupportedSettingE
 from megamoe.ops import MegaMoEHandle, dispatch_grouped_gemm, fused_mega_moe, grouped_gemm_combine
 from megamoe.quant import advance_weight_generation
 from megamoe.router import AuxLossScaler, MegaMoERouter, RouterConfig, RouterOutput, topk_routing
+from megamoe.settings import EPSettings, SymmSettings
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AuxLossScaler",
+    "EPSettings",
     "InvalidConfigError",
     "MegaMoEError",
     "MegaMoEHandle",
     "MegaMoERouter",
     "RouterConfig",
     "RouterOutput",
+    "SymmSettings",
     "UnsupportedSettingError",
     "advance_weight_generation",
     "check_capacity",

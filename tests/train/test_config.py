@@ -134,3 +134,20 @@ def test_example_scripts_pass_the_seed_flags(job: str) -> None:
     words = shlex.split((ROOT / "examples" / _SCRIPTS[job]).read_text().replace("\\\n", " "), comments=True)
     argv = words[words.index("--config") + 2 :]
     assert argv == SEED_JOBS[job][1]
+
+
+def test_ep_settings_come_from_the_config_keys_and_fall_back_to_the_environment(monkeypatch) -> None:
+    import math
+
+    from megamoe.train.model import ep_settings
+
+    monkeypatch.setenv("MEGAMOE_EP_TRANSPORT", "nccl")
+    monkeypatch.setenv("MEGAMOE_SYMM_MAX_TOKENS", "64")
+    monkeypatch.setenv("MEGAMOE_SYMM_DISPATCH", "pull")
+    argv = ["--turbo_mega_moe_symm_dispatch", "push", "--turbo_mega_moe_symm_capacity_factor", "inf"]
+    settings = ep_settings(resolve_config(CPU_MOCK, argv, environ={}).config)
+    assert settings.transport == "nccl" and settings.symm.max_tokens == 64  # null keys: the variables
+    assert settings.symm.dispatch == "push" and settings.symm.capacity_factor == math.inf  # set keys win
+    argv = ["--turbo_mega_moe_ep_transport", "symm", "--turbo_mega_moe_symm_max_tokens", "4096"]
+    settings = ep_settings(resolve_config(CPU_MOCK, argv, environ={}).config)
+    assert (settings.transport, settings.symm.max_tokens, settings.symm.dispatch) == ("symm", 4096, "pull")

@@ -169,3 +169,26 @@ def test_a_save_folder_with_checkpoints_is_continued_or_replaced_never_overwritt
     with pytest.raises(InvalidConfigError, match=r"^save="):
         _plan([*base, "--finetune", "true"])
     _plan([*base, "--auto_continue_train", "false", "--overwrite_checkpoints", "true"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--turbo_mega_moe_symm_max_tokens", "0"], r"^turbo_mega_moe_symm_max_tokens=0: must be >= 1"),
+        (
+            ["--turbo_mega_moe_symm_capacity_factor", "-1"],
+            r"^turbo_mega_moe_symm_capacity_factor=-1(\.0)?: must be",
+        ),
+        (
+            ["--turbo_mega_moe_symm_dispatch", "scatter"],
+            r"^turbo_mega_moe_symm_dispatch='scatter': expected one of push/pull/broadcast",
+        ),
+        (
+            ["--turbo_mega_moe_ep_transport", "nvshmem"],
+            r"^turbo_mega_moe_ep_transport='nvshmem': expected one of symm/nccl",
+        ),
+    ],
+)
+def test_bad_ep_settings_fail_at_start_up_naming_the_key(argv, match) -> None:
+    with pytest.raises(InvalidConfigError, match=match):
+        _plan(argv)

@@ -146,7 +146,7 @@ class SymmBackend:
         ws.note_received(layout.received_rows_1)
         plan.ws, plan.layout, plan.recv = ws, layout, recv_plan(ws, layout, s.block_m)
 
-    def _broadcast_dgrad(self, plan: SymmPlan, src_TH: Tensor, *, gather_pool: bool, **gemm) -> None:
+    def broadcast_dgrad(self, plan: SymmPlan, src_TH: Tensor, *, gather_pool: bool, **gemm) -> None:
         """Broadcast mode's backward op after its barrier: copy ``src_TH`` (``dy`` or ``x``) to every
         peer (copy engines), launch the dgrad kernel ``gemm``, and, for the wgrad, fill the pool from
         the copies beside it (:func:`~.launch.gather_broadcast_rows`); joined before returning."""
@@ -191,6 +191,7 @@ class SymmBackend:
             wait=True,
             local_rows=lay,
             broadcast=(x, s.row_token_R) if broadcast else None,
+            name=f"stage1 fwd, {ws.dispatch}",
         )
         if broadcast:
             launch.join_broadcast(ws)
@@ -215,6 +216,7 @@ class SymmBackend:
             num_tiles_1=lay.num_tiles_1,
             remote=launch.RemoteOut(lay.row_src_R, lay.row_pos_R, own_tiles_1=lay.num_local_tiles_1),
             row_scale_R=dispatch_weights_R.float().contiguous(),
+            name="stage2 fwd",
         )
         y = h_R2I.new_empty(s.num_tokens, w2_GHI.shape[1])
         launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
@@ -240,11 +242,11 @@ class SymmBackend:
         da = h_R2I.new_empty(P, inter)
         w2 = w2_GHI.contiguous()
         gemm = dict(op="dgrad2", a_RK=dy_pool, b=w2, b_kn=True, tiles_X3=lay.tiles_X3,
-                    num_tiles_1=lay.num_tiles_1, out_RN=da, wait=True)  # fmt: skip
+                    num_tiles_1=lay.num_tiles_1, out_RN=da, wait=True, name=f"stage2 bwd, {ws.dispatch}")  # fmt: skip
         if ws.dispatch == "broadcast":
             begin(plan)
             # every rank copies dy whatever it needs (a peer may wait for it); the pool only for dW2
-            self._broadcast_dgrad(
+            self.broadcast_dgrad(
                 plan, dy, gather_pool=need_dw2, local_rows=lay, broadcast=(dy, s.row_token_R), **gemm
             )
         else:
@@ -286,11 +288,11 @@ class SymmBackend:
         # as GEMM2's, and spreading them measured 0.6-1.7 % slower on 2 x H200)
         remote = launch.RemoteOut(lay.row_src_R, lay.row_pos_R, grad_dispatch_weights_R.float().contiguous())
         gemm = dict(op="dgrad1", a_RK=grad_h_R2I.contiguous(), b=w1, b_kn=True, tiles_X3=lay.tiles_X3,
-                    num_tiles_1=lay.num_tiles_1, remote=remote)  # fmt: skip
+                    num_tiles_1=lay.num_tiles_1, remote=remote, name=f"stage1 bwd, {ws.dispatch}")  # fmt: skip
         broadcast = ws.dispatch == "broadcast"
         if broadcast:  # x again, for dW1: copied to every peer, the pool filled beside the dgrad
             begin(plan)
-            self._broadcast_dgrad(plan, x, gather_pool=need_dw1, **gemm)
+            self.broadcast_dgrad(plan, x, gather_pool=need_dw1, **gemm)
         else:  # x again, for dW1: pushed into the pools by the dgrad kernel's comm role
             dispatch = rows_to_move(plan, x)
             begin(plan, dispatch)

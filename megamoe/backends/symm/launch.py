@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.backends.symm.kernels import (
-    MAX_FLAT_WORLD,
-    TRACE_SLOTS,
-    _barrier_kernel,
-    _fused_kernel,
-    _gather_broadcast_rows_kernel,
-    _pool_tokens_kernel,
-    _pool_weights_kernel,
-    _wait_kernel,
-)
+from megamoe.backends.symm.comm import gather_broadcast_rows_kernel, pool_tokens_kernel, pool_weights_kernel
+from megamoe.backends.symm.gemm_tile import MAX_FLAT_WORLD
+from megamoe.backends.symm.kernels import COMM_ONLY, PRODUCTION, TRACE_SLOTS, TRACED, fused_kernel
 from megamoe.backends.symm.layout import SymmLayout
+from megamoe.backends.symm.signals import barrier_kernel, wait_kernel
 from megamoe.backends.symm.workspace import SymmWorkspace
 from megamoe.backends.triton.configs import gemm_config, num_programs
 from megamoe.backends.triton.side_gather import BLOCK_H as GATHER_BLOCK_H
@@ -40,7 +34,7 @@ def comm_programs(ws: SymmWorkspace, device: torch.device) -> int:
 def begin_op(ws: SymmWorkspace, counts_E: Tensor | None = None) -> None:
     """Bump the epoch and barrier with every EP rank; with ``counts_E``, also publish this rank's counts."""
     E = ws.key.num_experts
-    _barrier_kernel[(1,)](
+    barrier_kernel[(1,)](
         ws.ptrs_dev,
         ws.state,
         counts_E,
@@ -61,7 +55,7 @@ def begin_op(ws: SymmWorkspace, counts_E: Tensor | None = None) -> None:
 def wait_flags(ws: SymmWorkspace, region: str, counter_id: int) -> None:
     """Wait until every flag of ``region`` (``pool_ready`` or ``combine_ready``) reached this op's epoch."""
     flags = ws.view(region).reshape(-1)
-    _wait_kernel[(1,)](
+    wait_kernel[(1,)](
         flags, flags.numel(), ws.state, ws.rank, counter_id, ws.settings.max_spins(), num_warps=1
     )
 
@@ -167,7 +161,7 @@ def gather_broadcast_rows(
     def gather() -> None:
         pool = ws.view("pool")
         grid = num_programs(pool.device)
-        _gather_broadcast_rows_kernel[(grid,)](
+        gather_broadcast_rows_kernel[(grid,)](
             src_TH, send_token_S, ws.view("bcast_x"), ws.view("bcast_token"), layout.row_src_R,
             layout.row_pos_R, layout.expert_start_G1, pool, ws.state, ws.view("pool_ready"), ws.rank,
             ws.world, G, src_TH.shape[1], ws.max_tokens, ws.max_tokens * ws.key.topk, grid, ws.settings.max_spins(),
@@ -195,7 +189,7 @@ def pool_weights(
     if P == 0:
         return out
     block = 1024
-    _pool_weights_kernel[(triton.cdiv(P, block),)](
+    pool_weights_kernel[(triton.cdiv(P, block),)](
         layout.row_src_R, layout.row_pos_R, layout.expert_start_G1, send_weight_S if broadcast else None,
         ws.view("bcast_weight") if broadcast else ws.view("pool_weight"), out, ws.rank,
         ws.num_local_experts, P, ws.max_tokens * ws.key.topk, BROADCAST=broadcast, BLOCK=block,
@@ -210,7 +204,7 @@ def pool_tokens(ws: SymmWorkspace, layout: SymmLayout, send_token_S: Tensor) -> 
     P = ws.pool_rows
     out = torch.empty(P, dtype=torch.int32, device=ws.state.device)
     block = 1024
-    _pool_tokens_kernel[(triton.cdiv(P, block),)](
+    pool_tokens_kernel[(triton.cdiv(P, block),)](
         layout.row_src_R, layout.row_pos_R, layout.expert_start_G1, send_token_S, ws.view("bcast_token"),
         out, ws.rank, ws.num_local_experts, P, ws.max_tokens, ws.max_tokens * ws.key.topk, BLOCK=block,
     )  # fmt: skip
@@ -233,6 +227,7 @@ def push_rows(ws: SymmWorkspace, dispatch: Dispatch) -> None:
     fused_gemm(  # B and C are the pool itself: valid descriptors, never read or written without tiles
         ws, op="gemm1", a_RK=pool, b=pool.unsqueeze(0), b_kn=False, tiles_X3=table[1:].view(1, 3),
         num_tiles_1=table[:1], out_RN=pool, push=dispatch, num_comm=grid,
+        name=f"rows, {'pull' if dispatch.pull else 'push'}{' + weights' if dispatch.weights_TK is not None else ''}",
     )  # fmt: skip
 
 
@@ -250,6 +245,70 @@ class RemoteOut:
     GEMM2: 1.3-2 % faster on 2 x H200; GEMM1-dgrad, whose stores are half as dense, passes None)."""
 
 
+VARIANTS = {"production": PRODUCTION, "comm_only": COMM_ONLY, "traced": TRACED}
+"""The fused kernel's variants: what the layer runs, the K loop left out (tiles store zeros: the
+benchmark's communication-only leg), and every program's timeline recorded
+(:func:`program_timeline`; ``SymmSettings.trace`` picks it for every launch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchFlags:
+    """What one fused launch does, as the kernel's constexpr switches (tile sizes, ``FLAT`` and
+    ``IN_PTX`` aside: those follow the settings and the device)."""
+
+    COMM: bool = False
+    """a comm role moves rows into the pools (push, or pull with ``PULL``)"""
+    PULL: bool = False
+    PUSH_WEIGHT: bool = False
+    """the comm role moves each row's routing weight too"""
+    WAIT: bool = False
+    """tiles wait for their rows' ``pool_ready`` flags"""
+    OUT_REMOTE: bool = False
+    """each output row goes to its source rank's combine slot"""
+    ROW_SCALE: bool = False
+    PUSH_SCALAR: bool = False
+    SIGNAL: bool = False
+    """the last program releases ``combine_ready`` on every rank"""
+    LOCAL_A: bool = False
+    """this rank's own rows are read from ``x`` by token, never copied to its pool"""
+    BCAST_A: bool = False
+    """a peer's rows are read from its broadcast copy of ``x``"""
+    SPREAD: bool = False
+    B_KN: bool = False
+
+    def as_constexprs(self) -> dict[str, bool]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+_IN_FWD = LaunchFlags(WAIT=True, LOCAL_A=True)  # own rows from x, tiles wait for the peers'
+_TO_SOURCES = LaunchFlags(OUT_REMOTE=True, PUSH_SCALAR=True, SIGNAL=True, B_KN=True)  # dx and d(weight) home
+FUSED_LAUNCHES: dict[str, tuple[str, LaunchFlags]] = {
+    # stage 1 forward: rows of x moved (comm role | copy engines) while GEMM1's tiles wait for them
+    "stage1 fwd, push": ("gemm1", replace(_IN_FWD, COMM=True, PUSH_WEIGHT=True)),
+    "stage1 fwd, pull": ("gemm1", LaunchFlags(COMM=True, PULL=True, PUSH_WEIGHT=True, WAIT=True)),
+    "stage1 fwd, broadcast": ("gemm1", replace(_IN_FWD, BCAST_A=True)),
+    # stage 2 forward: GEMM2 * routing weight, each row stored at its source's combine slot
+    "stage2 fwd": ("gemm2", LaunchFlags(OUT_REMOTE=True, ROW_SCALE=True, SIGNAL=True, SPREAD=True)),
+    # stage 2 backward: dy rows moved while the dgrad2 tiles wait for them
+    "stage2 bwd, push": ("dgrad2", LaunchFlags(COMM=True, WAIT=True, B_KN=True)),
+    "stage2 bwd, pull": ("dgrad2", LaunchFlags(COMM=True, PULL=True, WAIT=True, B_KN=True)),
+    "stage2 bwd, broadcast": ("dgrad2", replace(_IN_FWD, BCAST_A=True, B_KN=True)),
+    # stage 1 backward: x rows moved again (for dW1) while dgrad1 sends dx and d(weight) home
+    "stage1 bwd, push": ("dgrad1", replace(_TO_SOURCES, COMM=True)),
+    "stage1 bwd, pull": ("dgrad1", replace(_TO_SOURCES, COMM=True, PULL=True)),
+    "stage1 bwd, broadcast": ("dgrad1", _TO_SOURCES),
+    # rows moved by the comm role alone, no tiles (the MXFP8 path's transport, :func:`push_rows`)
+    "rows, push": ("gemm1", LaunchFlags(COMM=True)),
+    "rows, push + weights": ("gemm1", LaunchFlags(COMM=True, PUSH_WEIGHT=True)),
+    "rows, pull": ("gemm1", LaunchFlags(COMM=True, PULL=True)),
+    "rows, pull + weights": ("gemm1", LaunchFlags(COMM=True, PULL=True, PUSH_WEIGHT=True)),
+}
+"""Every launch the EP path makes, by name: the backend names each of its launches and
+:func:`fused_gemm` checks it against this table, and the sm90 compile test compiles every entry
+(tests/megamoe/symm/sm90_compile.py), so the two cannot drift. Unnamed launches (the benchmark's
+partial legs, tests) are free."""
+
+
 def fused_gemm(
     ws: SymmWorkspace,
     *,
@@ -264,7 +323,8 @@ def fused_gemm(
     wait: bool = False,
     remote: RemoteOut | None = None,
     row_scale_R: Tensor | None = None,
-    skip_mma: bool = False,
+    variant: str | None = None,
+    name: str | None = None,
     num_comm: int | None = None,
     local_rows: SymmLayout | None = None,
     broadcast: tuple[Tensor, Tensor] | None = None,
@@ -272,7 +332,8 @@ def fused_gemm(
 ) -> None:
     """One launch of the fused kernel: optional row push, grouped GEMM ``A @ B[expert]``, local or remote out.
 
-    ``skip_mma`` leaves out the K loop (tiles store zeros): the benchmark's communication-only leg.
+    ``variant``: one of :data:`VARIANTS` (None: ``traced`` with ``settings.trace``, else ``production``).
+    ``name``: the :data:`FUSED_LAUNCHES` entry this launch is; its flags must be that entry's.
     ``num_comm`` overrides :func:`comm_programs` (tests of the comm role alone, with no tiles).
     ``local_rows`` (push mode): the op's layout; this rank's own rows are then not copied into its pool,
     GEMM tiles read them from ``push.src_TH`` by token (the pool rows' source rank and send position),
@@ -288,7 +349,7 @@ def fused_gemm(
     if remote:
         row_src, row_pos = remote.row_src_R, remote.row_pos_R
     else:
-        row_src, row_pos = (local_rows.row_src_R, local_rows.row_pos_R) if local_rows else (None, None)
+        row_src, row_pos = (local_rows.row_src_R, local_rows.row_pos_R) if local_a else (None, None)
     spread = remote is not None and remote.own_tiles_1 is not None
     own_tiles = local_rows.num_local_tiles_1 if local_a else (remote.own_tiles_1 if spread else None)
     cfg = gemm_config(op, a_RK.device)
@@ -301,7 +362,24 @@ def fused_gemm(
         b_desc = TensorDescriptor.from_tensor(b, [1, bn, bk])
     grid = ws.programs or num_programs(a_RK.device)
     H = src_TH.shape[1] if src_TH is not None else 0
-    _fused_kernel[(grid,)](
+    variant = variant or ("traced" if ws.settings.trace else "production")
+    flags = LaunchFlags(
+        COMM=push is not None,
+        PULL=push is not None and push.pull,
+        PUSH_WEIGHT=push is not None and push.weights_TK is not None,
+        WAIT=wait,
+        OUT_REMOTE=remote is not None,
+        ROW_SCALE=row_scale_R is not None,
+        PUSH_SCALAR=remote is not None and remote.scalar_R is not None,
+        SIGNAL=remote is not None,
+        LOCAL_A=local_a,
+        BCAST_A=broadcast is not None,
+        SPREAD=spread,
+        B_KN=b_kn,
+    )
+    if name is not None and FUSED_LAUNCHES[name] != (op, flags):
+        raise RuntimeError(f"fused launch {name!r} is {FUSED_LAUNCHES[name]}, launched as {op} {flags}")
+    fused_kernel[(grid,)](
         src_TH,
         send_token_S,
         push.send_slot_S if push else None,
@@ -350,22 +428,10 @@ def fused_gemm(
         min(num_comm or comm_programs(ws, a_RK.device), grid),
         ws.settings.tail_percent,
         ws.settings.max_spins(),
-        COMM=push is not None,
         # without a comm role every tile is in the flattened loop, whose waits must be the flat ones
         FLAT=(ws.settings.flat_wait or (wait and push is None)) and ws.world <= MAX_FLAT_WORLD,
         IN_PTX=a_RK.is_cuda,
-        PULL=push is not None and push.pull,
-        PUSH_WEIGHT=push is not None and push.weights_TK is not None,
-        WAIT=wait,
-        OUT_REMOTE=remote is not None,
-        ROW_SCALE=row_scale_R is not None,
-        PUSH_SCALAR=remote is not None and remote.scalar_R is not None,
-        SIGNAL=remote is not None,
-        SKIP_MMA=skip_mma,
-        LOCAL_A=local_a,
-        BCAST_A=broadcast is not None,
-        SPREAD=spread,
-        B_KN=b_kn,
+        **flags.as_constexprs(),
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
@@ -375,14 +441,12 @@ def fused_gemm(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         maxnreg=max_registers,
-        trace_ptr=_trace_buffer(ws, grid),
-        TRACE=ws.settings.trace,
+        trace_ptr=_trace_buffer(ws, grid) if variant == "traced" else None,
+        VARIANT=VARIANTS[variant],
     )
 
 
-def _trace_buffer(ws: SymmWorkspace, grid: int) -> Tensor | None:
-    if not ws.settings.trace:
-        return None
+def _trace_buffer(ws: SymmWorkspace, grid: int) -> Tensor:
     if ws.trace is None or ws.trace.shape[0] != grid:
         ws.trace = torch.zeros(grid, TRACE_SLOTS, dtype=torch.int64, device=ws.state.device)
     return ws.trace

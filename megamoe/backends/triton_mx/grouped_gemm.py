@@ -44,7 +44,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.backends.symm.kernels import peer_ptr
+from megamoe.backends.triton.peers import peer_ptr
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton_mx.mx_math import scale_column, scale_tile, swizzle
 from megamoe.quant.mx import BLOCK, MXTensor

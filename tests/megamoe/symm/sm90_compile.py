@@ -14,14 +14,11 @@ from __future__ import annotations
 import json
 import sys
 
-from megamoe.backends.symm.kernels import (
-    _barrier_kernel,
-    _fused_kernel,
-    _gather_broadcast_rows_kernel,
-    _pool_tokens_kernel,
-    _pool_weights_kernel,
-)
+from megamoe.backends.symm.comm import gather_broadcast_rows_kernel, pool_tokens_kernel, pool_weights_kernel
+from megamoe.backends.symm.kernels import fused_kernel
+from megamoe.backends.symm.launch import FUSED_LAUNCHES, VARIANTS, LaunchFlags
 from megamoe.backends.symm.layout import _layout_kernel
+from megamoe.backends.symm.signals import barrier_kernel
 from megamoe.backends.triton.configs import gemm_config
 from megamoe.backends.triton.side_gather import BLOCK_H as GATHER_BLOCK_H
 from megamoe.backends.triton.side_gather import BLOCK_R as GATHER_BLOCK_R
@@ -37,88 +34,79 @@ _POINTERS = dict(
     num_local_tiles_ptr="*i32", ptrs_dev="i64",
     state_ptr="*i32", pool_ready_ptr="*i32", pool_ptr="*bf16", pool_w_ptr="*fp32", comb_ptr="*bf16",
     comb_scalar_ptr="*fp32", comb_ready_ptr="*i32", stage_x_ptr="*bf16", stage_tok_ptr="*i32",
-    stage_w_ptr="*fp32", task_done_ptr="*i32", trace_ptr=None, bcast_x_ptr=None, bcast_tok_ptr=None,
+    stage_w_ptr="*fp32", task_done_ptr="*i32", trace_ptr="*i64", bcast_x_ptr="*bf16", bcast_tok_ptr="*i32",
 )  # fmt: skip
 _UNSPECIALISED = ("rank", "world", "G", "pool_rows", "stage_rows", "stage_slots", "num_programs")
 _UNSPECIALISED += ("num_comm", "tail_pct", "max_spins")
-# launch.fused_gemm's constexprs for push mode with nothing optional; each launch below overrides some
-_DEFAULTS = dict(
-    COMM=True, PULL=False, PUSH_WEIGHT=False, WAIT=True, OUT_REMOTE=False, ROW_SCALE=False,
-    PUSH_SCALAR=False, SIGNAL=False, SKIP_MMA=False, LOCAL_A=False, B_KN=False,
-    COPY_ROWS=32, COPY_COLS=512, FLAT=True, IN_PTX=True, TRACE=False, BCAST_A=False, SPREAD=False,
-)  # fmt: skip
+_SHAPES = {"gemm1": (2 * I, H), "gemm2": (H, I), "dgrad1": (H, 2 * I), "dgrad2": (I, H)}
+"""(N, K) of each op at DeepSeek-V3's per-rank shape"""
+
+
+def _absent(flags: LaunchFlags, variant: str) -> tuple[str, ...]:
+    """The pointers ``launch.fused_gemm`` passes as None for ``flags``."""
+    rows_by_source = flags.OUT_REMOTE or flags.LOCAL_A
+    absent = {
+        "src_ptr": not (flags.COMM or flags.BCAST_A),
+        "send_token_ptr": not (flags.COMM or flags.BCAST_A),
+        **dict.fromkeys(
+            ("send_start_ptr", "send_dest_row_ptr", "seg_start_ptr", "seg_len_ptr", "seg_pos_ptr"),
+            not flags.COMM,
+        ),
+        "send_slot_ptr": not flags.PUSH_WEIGHT,
+        "send_weight_ptr": not flags.PUSH_WEIGHT,
+        "c_ptr": flags.OUT_REMOTE,
+        "row_scale_ptr": not flags.ROW_SCALE,
+        "scalar_ptr": not flags.PUSH_SCALAR,
+        "row_src_ptr": not rows_by_source,
+        "row_pos_ptr": not rows_by_source,
+        "num_local_tiles_ptr": not (flags.LOCAL_A or flags.SPREAD),
+        "bcast_x_ptr": not flags.BCAST_A,
+        "bcast_tok_ptr": not flags.BCAST_A,
+        "trace_ptr": variant != "traced",
+    }
+    return tuple(name for name, none in absent.items() if none)
 
 
 def _launch(
-    op: str, *, N: int, K: int, none: tuple[str, ...] = (), maxnreg: int | None = None, **constexprs
+    name: str, *, variant: str = "production", flat: bool = True, maxnreg: int | None = None
 ) -> tuple:
-    """One ``launch.fused_gemm`` call: its arguments, with ``none`` absent (``maxnreg``: its ``max_registers``)."""
+    """The fused launch ``name`` of ``launch.FUSED_LAUNCHES``: its arguments as ``launch.fused_gemm``
+    passes them (``maxnreg``: its ``max_registers``)."""
+    op, flags = FUSED_LAUNCHES[name]
+    N, K = _SHAPES[op]
     cfg = gemm_config(op, CUDA)
-    meta = _DEFAULTS | constexprs | {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
-    box = [1, cfg["BLOCK_K"], cfg["BLOCK_N"]] if meta["B_KN"] else [1, cfg["BLOCK_N"], cfg["BLOCK_K"]]
-    args = dict(_POINTERS) | {name: "i32" for name in _UNSPECIALISED} | meta
+    meta = flags.as_constexprs() | {"FLAT": flat, "IN_PTX": True, "VARIANT": VARIANTS[variant]}
+    meta |= {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")} | {
+        "COPY_ROWS": 32,
+        "COPY_COLS": 512,
+    }
+    box = [1, cfg["BLOCK_K"], cfg["BLOCK_N"]] if flags.B_KN else [1, cfg["BLOCK_N"], cfg["BLOCK_K"]]
+    args = dict(_POINTERS) | {n: "i32" for n in _UNSPECIALISED} | meta
     args |= {"b_desc": f"tensordesc<bf16[{','.join(map(str, box))}]>", "H": H, "N": N, "K": K}
-    args |= {"stride_a": K, "stride_c": N, **{name: None for name in none}}
+    args |= {"stride_a": K, "stride_c": N, **{n: None for n in _absent(flags, variant)}}
     options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    return _fused_kernel, args, options | ({"maxnreg": maxnreg} if maxnreg else {})
+    return fused_kernel, args, options | ({"maxnreg": maxnreg} if maxnreg else {})
 
 
-BESIDE_GATHER = (
-    "stage2 bwd: broadcast dy (copy engines) | dgrad2 gathers peers' copies",
-    "stage1 bwd: dgrad1 + dx to sources (broadcast x: no comm role)",
-)
+BESIDE_GATHER = ("stage2 bwd, broadcast", "stage1 bwd, broadcast")
 """the launches a pool gather runs beside (broadcast mode's backward), capped at GEMM_REGISTER_CAP"""
 GATHER = "bwd: pool rows from the broadcast copies, beside the dgrad"
 
 LAUNCHES = {
-    "stage1 fwd: push x + GEMM1": _launch(
-        "gemm1", N=2 * I, K=H, PUSH_WEIGHT=True, LOCAL_A=True, none=("row_scale_ptr", "scalar_ptr")
-    ),
-    "stage1 fwd: pull x + GEMM1": _launch(
-        "gemm1", N=2 * I, K=H, PULL=True, PUSH_WEIGHT=True, none=("row_scale_ptr", "scalar_ptr")
-    ),
-    "stage1 fwd: comm only (bench)": _launch("gemm1", N=2 * I, K=H, PUSH_WEIGHT=True, LOCAL_A=True, SKIP_MMA=True),
-    "stage1 fwd: push x + GEMM1, traced (MEGAMOE_SYMM_TRACE=1)": _launch(
-        "gemm1", N=2 * I, K=H, PUSH_WEIGHT=True, LOCAL_A=True, TRACE=True, trace_ptr="*i64",
-        none=("row_scale_ptr", "scalar_ptr"),
-    ),
-    "stage1 fwd: broadcast x (copy engines) | GEMM1 gathers peers' copies": _launch(
-        "gemm1", N=2 * I, K=H, COMM=False, LOCAL_A=True, BCAST_A=True, bcast_x_ptr="*bf16",
-        bcast_tok_ptr="*i32", none=("row_scale_ptr", "scalar_ptr"),
-    ),
-    "stage1 fwd: push x + GEMM1, counter only": _launch(
-        "gemm1", N=2 * I, K=H, PUSH_WEIGHT=True, LOCAL_A=True, FLAT=False, none=("row_scale_ptr", "scalar_ptr")
-    ),
-    "stage2 fwd: GEMM2 to sources (no comm)": _launch(
-        "gemm2", N=H, K=I, COMM=False, WAIT=False, OUT_REMOTE=True, SPREAD=True, ROW_SCALE=True, SIGNAL=True,
-        none=("c_ptr", "scalar_ptr"),
-    ),
-    "stage2 bwd: push dy + dgrad2": _launch(
-        "dgrad2", N=I, K=H, B_KN=True, none=("row_scale_ptr", "scalar_ptr", "row_src_ptr", "row_pos_ptr")
-    ),
-    BESIDE_GATHER[0]: _launch(
-        "dgrad2", N=I, K=H, B_KN=True, COMM=False, LOCAL_A=True, BCAST_A=True, bcast_x_ptr="*bf16",
-        bcast_tok_ptr="*i32", none=("row_scale_ptr", "scalar_ptr"), maxnreg=GEMM_REGISTER_CAP,
-    ),
-    BESIDE_GATHER[1]: _launch(
-        "dgrad1", N=H, K=2 * I, COMM=False, WAIT=False, B_KN=True, OUT_REMOTE=True, PUSH_SCALAR=True,
-        SIGNAL=True, none=("row_scale_ptr", "c_ptr"), maxnreg=GEMM_REGISTER_CAP,
-    ),
-    "unfused transport (MXFP8): push rows, no tiles": _launch(
-        "gemm1", N=2 * I, K=H, WAIT=False, PUSH_WEIGHT=True, none=("row_scale_ptr", "scalar_ptr")
-    ),
-    "unfused transport (MXFP8): pull rows, no tiles": _launch(
-        "gemm1", N=2 * I, K=H, WAIT=False, PULL=True, none=("row_scale_ptr", "scalar_ptr")
-    ),
-    "stage1 bwd: push x | dgrad1 + dx to sources": _launch(
-        "dgrad1", N=H, K=2 * I, WAIT=False, B_KN=True, OUT_REMOTE=True, PUSH_SCALAR=True, SIGNAL=True,
-        none=("row_scale_ptr", "c_ptr"),
-    ),
-}  # fmt: skip
+    name: _launch(name, maxnreg=GEMM_REGISTER_CAP if name in BESIDE_GATHER else None)
+    for name in FUSED_LAUNCHES
+}
+LAUNCHES |= {
+    "stage1 fwd, push: comm only (bench)": _launch("stage1 fwd, push", variant="comm_only"),
+    "stage1 fwd, push: traced": _launch("stage1 fwd, push", variant="traced"),
+    "stage1 fwd, push: counter only (flat_wait off)": _launch("stage1 fwd, push", flat=False),
+}
 
 
 PIPELINED = [
-    name for name, (kernel, args, _) in LAUNCHES.items() if kernel is _fused_kernel and not args["SKIP_MMA"]
+    name
+    for name, (kernel, args, _) in LAUNCHES.items()
+    if kernel is fused_kernel and args["VARIANT"] != VARIANTS["comm_only"]
 ]
 """launches whose gathered A loads must stay in flight across MMAs (``cp_async_in_flight >= 1``)"""
 
@@ -137,7 +125,7 @@ def _layout(world: int) -> tuple:
 
 LAUNCHES |= {f"stage1 fwd: layout, EP = {w}": _layout(w) for w in (2, 8)}
 LAUNCHES["op barrier with the counts"] = (
-    _barrier_kernel,
+    barrier_kernel,
     dict(
         ptrs_dev="i64", state_ptr="*i32", counts_ptr="*i32", signal_ptr="*i32", rank="i32", world="i32",
         E="i32", G="i32", arrive_ptr="*i32", counts_all_ptr="*i32", max_spins="i32", HAS_COUNTS=True,
@@ -147,7 +135,7 @@ LAUNCHES["op barrier with the counts"] = (
 )  # fmt: skip
 
 LAUNCHES[GATHER] = (
-    _gather_broadcast_rows_kernel,
+    gather_broadcast_rows_kernel,
     dict(
         src_ptr="*bf16", send_token_ptr="*i32", bcast_x_ptr="*bf16", bcast_tok_ptr="*i32", row_src_ptr="*i32",
         row_pos_ptr="*i32", expert_start_ptr="*i32", pool_ptr="*bf16", state_ptr="*i32", pool_ready_ptr="*i32",
@@ -158,7 +146,7 @@ LAUNCHES[GATHER] = (
 )  # fmt: skip
 
 LAUNCHES["unfused transport (MXFP8), broadcast: pool rows' rows in the copies"] = (
-    _pool_tokens_kernel,
+    pool_tokens_kernel,
     dict(
         row_src_ptr="*i32", row_pos_ptr="*i32", expert_start_ptr="*i32", send_token_ptr="*i32",
         bcast_tok_ptr="*i32", out_ptr="*i32", rank="i32", G="i32", P="i32", stage_rows="i32",
@@ -169,7 +157,7 @@ LAUNCHES["unfused transport (MXFP8), broadcast: pool rows' rows in the copies"] 
 
 for _broadcast in (False, True):
     LAUNCHES[f"stage1 fwd: pool weights, {'broadcast' if _broadcast else 'push/pull'}"] = (
-        _pool_weights_kernel,
+        pool_weights_kernel,
         dict(
             row_src_ptr="*i32", row_pos_ptr="*i32", expert_start_ptr="*i32",
             own_weight_ptr="*fp32" if _broadcast else None, copied_weight_ptr="*fp32", out_ptr="*bf16",
