@@ -177,7 +177,7 @@ def _inputs(device: torch.device) -> dict:
     torch.manual_seed(0)
     bf16 = {"device": device, "dtype": torch.bfloat16}
     idx, _ = make_routing(shape, "uniform", device=device)
-    plan = build_routing_plan(idx, num_experts=G, block_m=gemm_config("dgrad1", device)["BLOCK_M"])
+    plan = build_routing_plan(idx, num_experts=G, block_m=gemm_config("dgrad1", device).block_m)
     R = T * shape.topk
     return {
         "plan": plan,

@@ -23,6 +23,7 @@ Needs only torch and triton; about a minute on an H200 (most of it compiling).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import traceback
 
@@ -45,26 +46,26 @@ from megamoe.backends.triton_mx.wgrad import mx_wgrad
 
 T, TOPK, G, H, I = 8192, 8, 32, 7168, 2048
 
-GEMM_CANDIDATES: list[dict] = [
+GEMM_CANDIDATES: list[dict[str, int]] = [
     {},  # the default (configs.GPU_GEMM)
-    {"BLOCK_K": 64, "num_stages": 3},
+    {"block_k": 64, "num_stages": 3},
     # one warpgroup a program (255 registers, 57 KB shared): two fit on an SM, and their CTA-wide
     # barriers are independent, so one's 32-deep MMA overlaps the other's scaled accumulate (Triton
     # 3.6 waits for every non-accumulating wgmma at once: no overlap inside one program)
-    {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
-    {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "PROGRAMS_PER_SM": 2},
-    {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 6, "PROGRAMS_PER_SM": 2},
-    {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "PROGRAMS_PER_SM": 2},
+    {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 4},
+    {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2},
+    {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 6, "programs_per_sm": 2},
+    {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2},
 ]
-"""Overrides of the M-grouped MX GEMM's default tile (BLOCK_M stays the routing plan's 128);
-``PROGRAMS_PER_SM`` multiplies the persistent grid (``num_sms`` programs by default)."""
-WGRAD_CANDIDATES: list[dict] = [
+"""TileConfig fields replaced in the M-grouped MX GEMM's default tile (block_m stays the routing plan's
+128); ``programs_per_sm`` multiplies the persistent grid (``num_sms`` programs at 1)."""
+WGRAD_CANDIDATES: list[dict[str, int]] = [
     {},  # the default (configs.GPU_WGRAD)
-    {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
-    {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "PROGRAMS_PER_SM": 2},
-    {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "PROGRAMS_PER_SM": 2},
+    {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 4},
+    {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2},
+    {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2},
 ]
-"""Overrides of the MX wgrad's default tile; BLOCK_K / 32 must divide WGRAD_BLOCK_ALIGN."""
+"""TileConfig fields replaced in the MX wgrad's default tile; block_k / 32 must divide WGRAD_BLOCK_ALIGN."""
 
 
 def _time(fn) -> float:
@@ -111,7 +112,7 @@ def main() -> None:
     torch.manual_seed(0)
     # uniform top-8 over 32 experts: distinct experts per token (random scores' top-k)
     idx = torch.rand(T, G, device=device).topk(TOPK, dim=1).indices
-    plan = build_routing_plan(idx, num_experts=G, block_m=gemm_config(device)["BLOCK_M"])
+    plan = build_routing_plan(idx, num_experts=G, block_m=gemm_config(device).block_m)
     R = T * TOPK
     print(f"default MX GEMM config: {gemm_config(device)}")
     print(f"default MX wgrad config: {wgrad_config(device)} (block align {WGRAD_BLOCK_ALIGN})")
@@ -138,7 +139,7 @@ def main() -> None:
         print(_fmt(rows[-1], bf16_ms), flush=True)
         ref = None
         for cand in GEMM_CANDIDATES:
-            cfg = {**gemm_config(device), **cand}
+            cfg = dataclasses.replace(gemm_config(device), **cand)
             out = torch.empty(out_shape, device=device, dtype=out_dtype)
             row = _row(op, "mx", cand or {"default": True}, flops, lambda cfg=cfg, out=out: mx_fn(out, cfg))
             if not cand and "error" not in row:
@@ -209,7 +210,7 @@ def main() -> None:
     qq = quantize_segments(x, plan.expert_start_G1, block_start, num_blocks, index_R=plan.row_token_R)
     ref = None
     for cand in WGRAD_CANDIDATES:
-        cfg = {**wgrad_config(device), **cand}
+        cfg = dataclasses.replace(wgrad_config(device), **cand)
         out = torch.empty(G, 2 * I, H, device=device, dtype=torch.bfloat16)
         row = _row(
             "wgrad",

@@ -36,6 +36,7 @@ torch and triton; a few minutes on an H200.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
 
@@ -50,25 +51,25 @@ from megamoe.backends.triton.routing import build_routing_plan
 from megamoe.backends.triton.side_gather import RowGather
 from megamoe.backends.triton.wgrad import grouped_wgrad
 
-# candidate name: overrides of the op's default config (all compile for sm_90a without spills
-# within 227 KB of shared memory)
-CANDIDATES: dict[str, dict[str, dict]] = {
+# candidate name: TileConfig fields replaced in the op's default config (all compile for sm_90a
+# without spills within 227 KB of shared memory)
+CANDIDATES: dict[str, dict[str, dict[str, int]]] = {
     "m_grouped": {
         "default": {},
-        "group-m-4": {"GROUP_M": 4},
-        "group-m-8": {"GROUP_M": 8},
-        "group-m-16": {"GROUP_M": 16},
-        "group-m-32": {"GROUP_M": 32},
+        "group-m-4": {"group_m": 4},
+        "group-m-8": {"group_m": 8},
+        "group-m-16": {"group_m": 16},
+        "group-m-32": {"group_m": 32},
         "stages-4": {"num_stages": 4},
     },
     "wgrad": {
         "default": {},
-        "group-m-4": {"GROUP_M": 4},
-        "group-m-16": {"GROUP_M": 16},
+        "group-m-4": {"group_m": 4},
+        "group-m-16": {"group_m": 16},
         "stages-4": {"num_stages": 4},
-        "k128-stages-2": {"BLOCK_K": 128, "num_stages": 2},
-        "m256-n128": {"BLOCK_M": 256, "BLOCK_N": 128},
-        "k32-stages-6": {"BLOCK_K": 32, "num_stages": 6},
+        "k128-stages-2": {"block_k": 128, "num_stages": 2},
+        "m256-n128": {"block_m": 256, "block_n": 128},
+        "k32-stages-6": {"block_k": 32, "num_stages": 6},
     },
 }
 OPS = ("gemm1", "gemm2", "dgrad1", "dgrad2", "wgrad")
@@ -103,7 +104,7 @@ def _legs(op: str, model: str, device: torch.device) -> tuple[dict, dict, dict, 
     torch.manual_seed(0)
     bf16 = {"device": device, "dtype": torch.bfloat16}
     idx, _ = make_routing(shape, "uniform", device=device)
-    plan = build_routing_plan(idx, num_experts=G, block_m=gemm_config("gemm1", device)["BLOCK_M"])
+    plan = build_routing_plan(idx, num_experts=G, block_m=gemm_config("gemm1", device).block_m)
     valid, R = int(plan.expert_start_G1[-1]), T * shape.topk
     offs = plan.expert_start_G1[1:].to(torch.int32)
     rows = plan.row_token_R
@@ -122,7 +123,7 @@ def _legs(op: str, model: str, device: torch.device) -> tuple[dict, dict, dict, 
         for name, override in CANDIDATES["wgrad"].items():
             for form, (p, q, out_shape) in forms.items():
                 out = torch.zeros(out_shape, **bf16)
-                config = wgrad_config(device) | override
+                config = dataclasses.replace(wgrad_config(device), **override)
                 legs[(name, form)] = (
                     lambda p=p, q=q, out=out, config=config: grouped_wgrad(
                         p, q, out, plan, config=config, num_sms=sms
@@ -143,7 +144,7 @@ def _legs(op: str, model: str, device: torch.device) -> tuple[dict, dict, dict, 
         for variant in variants:
             out = torch.zeros(R, n_out, **bf16)
             act = torch.zeros(R, I, **bf16) if variant == "swiglu" else None
-            config = gemm_config(op, device) | override
+            config = dataclasses.replace(gemm_config(op, device), **override)
             kwargs = {"a_mode": a_mode, "b_kn": b_kn, "config": config, "num_sms": sms, "act": act}
             kwargs["a_rows"] = rows if a_mode == 1 else None
             legs[(name, variant)] = (

@@ -353,7 +353,7 @@ def fused_gemm(
     spread = remote is not None and remote.own_tiles_1 is not None
     own_tiles = local_rows.num_local_tiles_1 if local_a else (remote.own_tiles_1 if spread else None)
     cfg = gemm_config(op, a_RK.device)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if b_kn:
         K, N = b.shape[1], b.shape[2]
         b_desc = TensorDescriptor.from_tensor(b, [1, bk, bn])
@@ -435,11 +435,11 @@ def fused_gemm(
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
-        GROUP_M=cfg.get("GROUP_M", 8),
+        GROUP_M=cfg.group_m,
         COPY_ROWS=32,
         COPY_COLS=512,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         maxnreg=max_registers,
         trace_ptr=_trace_buffer(ws, grid) if variant == "traced" else None,
         VARIANT=VARIANTS[variant],

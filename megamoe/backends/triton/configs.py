@@ -9,21 +9,82 @@ tiles are tiny so the logic tests stay fast.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
+
+from megamoe.errors import InvalidConfigError
 
 BLOCK_M_GPU = 128
 BLOCK_M_CPU = 16
 
-_GPU = {
-    # op: BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M (M tiles per swizzle group). GEMM1's
-    # GROUP_M 4 against 8: docs/history/kernels.md#tile-candidates-and-the-swizzle-group
-    "gemm1": (256, 64, 8, 3, 4),
-    "gemm2": (256, 64, 8, 3, 8),
-    "dgrad1": (256, 64, 8, 3, 8),
-    "dgrad2": (256, 64, 8, 3, 8),
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TileConfig:
+    """The launch of one tiled GEMM kernel: its tile constexprs, launch options and persistent grid.
+
+    A variant is ``dataclasses.replace(config, block_n=...)`` (the tile sweeps' candidates).
+    """
+
+    block_m: int
+    """rows of an output tile (the M-grouped GEMMs: the routing plan's ``block_m``)"""
+    block_n: int
+    """columns of an output tile"""
+    block_k: int
+    """K depth of one pipeline stage"""
+    group_m: int = 8
+    """M tiles per swizzle group: consecutive programs walk this many M tiles down one N column, so
+    they share the column's B tiles in L2"""
+    num_warps: int
+    num_stages: int
+    """software-pipeline depth: tiles of A and B in flight in shared memory"""
+    programs_per_sm: int = 1
+    """persistent programs per multiprocessor (read by the MX launchers: they multiply ``num_sms`` by
+    it); not a kernel argument"""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "block_m",
+            "block_n",
+            "block_k",
+            "group_m",
+            "num_warps",
+            "num_stages",
+            "programs_per_sm",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidConfigError(f"TileConfig.{name}", value, "must be a positive integer")
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise InvalidConfigError(
+                    f"TileConfig.{name}", value, "must be a power of two (Triton's tile and warp counts)"
+                )
+
+    def launch_kwargs(self) -> dict[str, int]:
+        """The kernel launch's keywords: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M`` (constexprs),
+        ``num_warps`` and ``num_stages`` (launch options)."""
+        return {
+            "BLOCK_M": self.block_m,
+            "BLOCK_N": self.block_n,
+            "BLOCK_K": self.block_k,
+            "GROUP_M": self.group_m,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
+
+
+_GPU_GEMM = {
+    # GEMM1's group_m 4 against 8: docs/history/kernels.md#tile-candidates-and-the-swizzle-group
+    "gemm1": TileConfig(block_m=BLOCK_M_GPU, block_n=256, block_k=64, group_m=4, num_warps=8, num_stages=3),
+    "gemm2": TileConfig(block_m=BLOCK_M_GPU, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    "dgrad1": TileConfig(block_m=BLOCK_M_GPU, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    "dgrad2": TileConfig(block_m=BLOCK_M_GPU, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
 }
-_WGRAD_GPU = (128, 256, 64, 8, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+_CPU_GEMM = TileConfig(block_m=BLOCK_M_CPU, block_n=16, block_k=16, num_warps=4, num_stages=1)
+_GPU_WGRAD = TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+_CPU_WGRAD = TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
 
 
 def block_m(device: torch.device) -> int:
@@ -43,24 +104,13 @@ def num_programs(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def gemm_config(op: str, device: torch.device) -> dict:
+def gemm_config(op: str, device: torch.device) -> TileConfig:
     """Tile shape of the M-grouped GEMM ``op`` (gemm1, gemm2, dgrad1, dgrad2)."""
     if device.type != "cuda":
-        return {"BLOCK_M": BLOCK_M_CPU, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
-    bn, bk, warps, stages, group_m = _GPU[op]
-    return {
-        "BLOCK_M": BLOCK_M_GPU,
-        "BLOCK_N": bn,
-        "BLOCK_K": bk,
-        "GROUP_M": group_m,
-        "num_warps": warps,
-        "num_stages": stages,
-    }
+        return _CPU_GEMM
+    return _GPU_GEMM[op]
 
 
-def wgrad_config(device: torch.device) -> dict:
+def wgrad_config(device: torch.device) -> TileConfig:
     """Tile shape of the K-grouped weight-gradient GEMM."""
-    if device.type != "cuda":
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
-    bm, bn, bk, warps, stages = _WGRAD_GPU
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+    return _GPU_WGRAD if device.type == "cuda" else _CPU_WGRAD

@@ -37,6 +37,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton.swiglu import swiglu_tile
 
@@ -211,7 +212,7 @@ def grouped_gemm(
     *,
     a_mode: int,
     b_kn: bool,
-    config: dict,
+    config: TileConfig,
     num_sms: int,
     a_rows: Tensor | None = None,
     act: Tensor | None = None,
@@ -221,9 +222,9 @@ def grouped_gemm(
     ``b_GNK`` is ``[G, N, K]`` (``b_kn=False``) or ``[G, K, N]`` (``b_kn=True``), contiguous.
     ``a`` is ``[R, K]`` expert-sorted (``a_mode=0``) or ``[T, K]`` gathered through ``a_rows`` (``a_mode=1``).
     ``act [R, N/2]`` (GEMM1 only, ``b_kn=False``): also write ``silu(out[:, :N/2]) * out[:, N/2:]`` there.
-    ``config`` holds the tile shape (``BLOCK_M/N/K``, ``GROUP_M``, ``num_warps``, ``num_stages``).
+    ``config``: the tile shape and launch options.
     """
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
     if bm != plan.block_m:
         raise ValueError(f"BLOCK_M={bm} must equal the plan's block_m={plan.block_m}")
     if act is not None:
@@ -264,10 +265,5 @@ def grouped_gemm(
         A_MODE=a_mode,
         B_KN=b_kn,
         SWIGLU=act is not None,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=config.get("GROUP_M", 8),
-        num_warps=config.get("num_warps", 8),
-        num_stages=config.get("num_stages", 3),
+        **config.launch_kwargs(),
     )

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.routing import RoutingPlan
 
 
@@ -111,11 +112,11 @@ def _wgrad_kernel(
 
 
 def grouped_wgrad(
-    p_RM: Tensor, q_RN: Tensor, out_GMN: Tensor, plan: RoutingPlan, *, config: dict, num_sms: int
+    p_RM: Tensor, q_RN: Tensor, out_GMN: Tensor, plan: RoutingPlan, *, config: TileConfig, num_sms: int
 ) -> None:
     """Write ``out_GMN[g] = P_g^T Q_g`` for contiguous expert-sorted ``P [R, M]`` and ``Q [R, N]``."""
     G, M, N = out_GMN.shape
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    bm, bn = config.block_m, config.block_n
     if p_RM.is_cuda:
         triton.set_allocator(_alloc_scratch)
     per_expert = triton.cdiv(M, bm) * triton.cdiv(N, bn)
@@ -129,13 +130,8 @@ def grouped_wgrad(
         M,
         N,
         grid_size,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=config.get("GROUP_M", 8),
         # a program's consecutive tiles are grid_size apart: with fewer tiles per expert, every tile
         # is another expert's and the check would only stand in the pipeline's way
         REUSE_DESCRIPTORS=per_expert > grid_size,
-        num_warps=config.get("num_warps", 8),
-        num_stages=config.get("num_stages", 3),
+        **config.launch_kwargs(),
     )

@@ -44,6 +44,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.peers import peer_ptr
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton_mx.mx_math import scale_column, scale_tile, swizzle
@@ -198,7 +199,7 @@ def mx_grouped_gemm(
     out: Tensor | None,
     plan: RoutingPlan,
     *,
-    config: dict,
+    config: TileConfig,
     num_sms: int,
     a_rows: Tensor | None = None,
     remote: RemoteRows | None = None,
@@ -210,7 +211,7 @@ def mx_grouped_gemm(
     Both are blocked along K (their last dim) and their data contiguous; K must be a multiple of 16
     (TMA's 16-byte row stride for E4M3).
     """
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
     if bk % BLOCK or bk & (bk - 1):
         raise ValueError(f"BLOCK_K={bk}: must be a power of two and a multiple of {BLOCK}")
     if bm != plan.block_m:
@@ -228,7 +229,7 @@ def mx_grouped_gemm(
         raise ValueError("scales: expected ceil(K / 32) codes per row")
     b_desc = TensorDescriptor.from_tensor(b.data, [1, bn, BLOCK])
     a_desc = TensorDescriptor.from_tensor(a.data, [bm, BLOCK]) if a_rows is None else None
-    grid_size = max(1, min(num_sms * config.get("PROGRAMS_PER_SM", 1), plan.max_tiles * triton.cdiv(N, bn)))
+    grid_size = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * triton.cdiv(N, bn)))
     r = remote
     c = out if r is None else r.combine
     _mx_grouped_gemm_kernel[(grid_size,)](
@@ -266,10 +267,5 @@ def mx_grouped_gemm(
         OUT_REMOTE=r is not None,
         ROW_SCALE=r is not None and r.row_scale_R is not None,
         PUSH_SCALAR=r is not None and r.scalar_R is not None,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=config.get("GROUP_M", 8),
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
+        **config.launch_kwargs(),
     )

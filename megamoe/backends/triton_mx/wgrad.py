@@ -27,6 +27,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton_mx.mx_math import scale_column, scale_tile, swizzle
 from megamoe.quant.mx import BLOCK, MXTensor
 
@@ -91,7 +92,7 @@ def mx_wgrad(
     out_GMN: Tensor,
     block_start_G1: Tensor,
     *,
-    config: dict,
+    config: TileConfig,
     num_sms: int,
     block_align: int = 1,
 ) -> None:
@@ -100,7 +101,7 @@ def mx_wgrad(
     ``block_align``: every ``block_start`` is a multiple of it (``segment_block_starts(..., align=)``);
     the tile's ``BLOCK_K / 32`` blocks per stage must divide it.
     """
-    bk = config["BLOCK_K"]
+    bk = config.block_k
     if bk % BLOCK or block_align % (bk // BLOCK):
         raise ValueError(
             f"BLOCK_K={bk}: BLOCK_K / {BLOCK} must divide block_align={block_align} "
@@ -113,10 +114,10 @@ def mx_wgrad(
         )
     if G == 0 or M == 0 or N == 0:
         return
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    bm, bn = config.block_m, config.block_n
     p_desc = TensorDescriptor.from_tensor(p.data, [bm, BLOCK])
     q_desc = TensorDescriptor.from_tensor(q.data, [bn, BLOCK])
-    grid_size = min(num_sms * config.get("PROGRAMS_PER_SM", 1), G * triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    grid_size = min(num_sms * config.programs_per_sm, G * triton.cdiv(M, bm) * triton.cdiv(N, bn))
     _mx_wgrad_kernel[(grid_size,)](
         p_desc,
         q_desc,
@@ -132,10 +133,5 @@ def mx_wgrad(
         q.scale.stride(0),
         q.scale.stride(1),
         grid_size,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=config.get("GROUP_M", 8),
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
+        **config.launch_kwargs(),
     )

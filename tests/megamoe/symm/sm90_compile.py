@@ -76,15 +76,13 @@ def _launch(
     N, K = _SHAPES[op]
     cfg = gemm_config(op, CUDA)
     meta = flags.as_constexprs() | {"FLAT": flat, "IN_PTX": True, "VARIANT": VARIANTS[variant]}
-    meta |= {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")} | {
-        "COPY_ROWS": 32,
-        "COPY_COLS": 512,
-    }
-    box = [1, cfg["BLOCK_K"], cfg["BLOCK_N"]] if flags.B_KN else [1, cfg["BLOCK_N"], cfg["BLOCK_K"]]
+    meta |= {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
+    meta |= {"COPY_ROWS": 32, "COPY_COLS": 512}
+    box = [1, cfg.block_k, cfg.block_n] if flags.B_KN else [1, cfg.block_n, cfg.block_k]
     args = dict(_POINTERS) | {n: "i32" for n in _UNSPECIALISED} | meta
     args |= {"b_desc": f"tensordesc<bf16[{','.join(map(str, box))}]>", "H": H, "N": N, "K": K}
     args |= {"stride_a": K, "stride_c": N, **{n: None for n in _absent(flags, variant)}}
-    options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return fused_kernel, args, options | ({"maxnreg": maxnreg} if maxnreg else {})
 
 
@@ -118,7 +116,7 @@ def _layout(world: int) -> tuple:
         max_tiles="i32", send_dest_row_ptr="*i32", expert_start_ptr="*i32", tiles_ptr="*i32",
         num_tiles_ptr="*i32", num_local_tiles_ptr="*i32", row_src_ptr="*i32", row_pos_ptr="*i32", received_ptr="*i32",
         seg_start_ptr="*i32", seg_len_ptr="*i32", seg_pos_ptr="*i32", BANKED=True, W_PAD=world, G_PAD=32,
-        BLOCK_R=32, BLOCK_T=32, BLOCK_M=gemm_config("gemm1", CUDA)["BLOCK_M"],
+        BLOCK_R=32, BLOCK_T=32, BLOCK_M=gemm_config("gemm1", CUDA).block_m,
     )  # fmt: skip
     return _layout_kernel, args, {"num_warps": 4}
 

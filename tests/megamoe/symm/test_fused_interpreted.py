@@ -307,7 +307,7 @@ def _traced_rank(rank: int, world: int, case: tuple) -> tuple[list[list[int]], i
     backend = SymmBackend(SymmSettings.from_env())
     plan = backend.make_plan(idx, num_experts=E, group=dist.group.WORLD)
     h = backend.stage1_forward(x, tw, w1[rank * 2 : rank * 2 + 2], plan)[0]
-    total = int(plan.layout.num_tiles_1) * -(-h.shape[1] // gemm_config("gemm1", x.device)["BLOCK_N"])
+    total = int(plan.layout.num_tiles_1) * -(-h.shape[1] // gemm_config("gemm1", x.device).block_n)
     return launch.program_timeline(plan.ws).tolist(), total - (total - (total * 25 + 99) // 100)
 
 

@@ -34,7 +34,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from benchmarks.common import MODELS
 from megamoe.backends.triton import tma_rows
 from megamoe.backends.triton.combine import _combine_kernel
-from megamoe.backends.triton.configs import gemm_config, wgrad_config
+from megamoe.backends.triton.configs import TileConfig, gemm_config, wgrad_config
 from megamoe.backends.triton.grouped_gemm import _grouped_gemm_kernel
 from megamoe.backends.triton.padding import _zero_padding_rows_kernel
 from megamoe.backends.triton.routing import (
@@ -55,7 +55,7 @@ from megamoe.backends.triton.wgrad import _wgrad_kernel
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 CUDA = torch.device("cuda")  # only its type is read: the config functions pick the GPU tiles
 NUM_SMS = 132  # an H200's multiprocessors: the persistent kernels' num_programs
-LAUNCH_KEYS = ("num_warps", "num_stages")  # config keys that are launch options, not constexprs
+LAUNCH_KEYS = ("num_warps", "num_stages")  # TileConfig.launch_kwargs() keys that are launch options
 
 
 def _argument(value):
@@ -71,14 +71,14 @@ def _argument(value):
     raise TypeError(f"unsupported argument {value!r}")
 
 
-def config_constexprs(kernel, config: dict, launcher_only: tuple[str, ...] = (), **defaults) -> dict:
-    """The config's kernel constexprs over the launcher's ``defaults`` (``config.get(key, default)``);
-    every other config key must be a launch option or ``launcher_only``."""
-    params = set(kernel.arg_names)
-    stray = [k for k in config if k not in params and k not in LAUNCH_KEYS and k not in launcher_only]
+def config_constexprs(kernel, config: TileConfig) -> dict:
+    """The tile's kernel constexprs: ``config.launch_kwargs()`` less the launch options, each of which
+    must be a parameter of ``kernel``."""
+    constexprs = {k: v for k, v in config.launch_kwargs().items() if k not in LAUNCH_KEYS}
+    stray = sorted(set(constexprs) - set(kernel.arg_names))
     if stray:
-        raise KeyError(f"config keys {stray} are neither {kernel.__name__} parameters nor launch options")
-    return defaults | {k: v for k, v in config.items() if k in params}
+        raise KeyError(f"launch keywords {stray} are neither {kernel.__name__} parameters nor launch options")
+    return constexprs
 
 
 def compile_kernel(kernel, args: dict, *, num_warps: int = 4, num_stages: int = 3, **options) -> dict:
@@ -156,7 +156,7 @@ R = T * TOPK
 def _gemm(op: str, *, a_mode: int, b_kn: bool, swiglu: bool, N: int, K: int) -> tuple:
     """grouped_gemm.grouped_gemm: ``a`` [rows, K] by TMA (a_mode 0) or gathered through ``a_rows``."""
     cfg = gemm_config(op, CUDA)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if swiglu:
         b_box = f"[1,2,{bn // 2},{bk}]"
     else:
@@ -166,22 +166,22 @@ def _gemm(op: str, *, a_mode: int, b_kn: bool, swiglu: bool, N: int, K: int) -> 
         a_rows_ptr="*i32" if a_mode == 1 else None, b_desc=f"tensordesc<bf16{b_box}>", c_ptr="*bf16",
         act_ptr="*bf16" if swiglu else None, tiles_ptr="*i32", num_tiles_ptr="*i32", N=N, K=K, stride_a=K,
         stride_c=N, stride_act=N // 2 if swiglu else 0, num_programs=NUM_SMS, A_MODE=a_mode, B_KN=b_kn,
-        SWIGLU=swiglu, **config_constexprs(_grouped_gemm_kernel, cfg, GROUP_M=8),
+        SWIGLU=swiglu, **config_constexprs(_grouped_gemm_kernel, cfg),
     )  # fmt: skip
-    return _grouped_gemm_kernel, args, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    return _grouped_gemm_kernel, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
 def _wgrad(M: int, N: int) -> tuple:
     """wgrad.grouped_wgrad: ``dW [G, M, N]`` from contiguous expert-sorted ``P [R, M]``, ``Q [R, N]``."""
     cfg = wgrad_config(CUDA)
-    per_expert = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    per_expert = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     grid = min(NUM_SMS, G * per_expert)
     args = dict(
         p_ptr="*bf16", q_ptr="*bf16", out_ptr="*bf16", expert_start_ptr="*i32", G=G, M=M, N=N,
         num_programs=grid, REUSE_DESCRIPTORS=per_expert > grid,
-        **config_constexprs(_wgrad_kernel, cfg, GROUP_M=8),
+        **config_constexprs(_wgrad_kernel, cfg),
     )  # fmt: skip
-    return _wgrad_kernel, args, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    return _wgrad_kernel, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
 def _swiglu_blocks(inter: int) -> tuple[int, int]:

@@ -80,7 +80,7 @@ def test_gemm1_swiglu_epilogue_equals_gemm1_then_swiglu_pass_bitwise(case, dtype
     x, idx, _, w1, _, _ = _case(*case, dtype=dtype)
     T, K, I = x.shape[0], idx.shape[1], w1.shape[1] // 2
     r = TritonBackend(LocalTransport()).make_plan(idx, num_experts=w1.shape[0], group=None).routing
-    config = {**gemm_config("gemm1", CPU), "BLOCK_N": block_n}
+    config = dataclasses.replace(gemm_config("gemm1", CPU), block_n=block_n)
 
     def gemm1(out, act=None):
         grouped_gemm(

@@ -6,7 +6,7 @@ Run in a process without ``TRITON_INTERPRET`` (the interpreter replaces ``@trito
 then cannot be compiled), from the repository root: ``python -m tests.megamoe.triton_mx.sm90_compile``.
 Launches are described as in ``tests/megamoe/triton/sm90_compile.py`` (whose compiler it uses):
 DeepSeek-V3's per-rank bench shape, tiles from ``triton_mx.configs`` for a CUDA device
-(``PROGRAMS_PER_SM`` only sizes the grid), scale views with the strides the producers allocate (a
+(``programs_per_sm`` only sizes the grid), scale views with the strides the producers allocate (a
 unit stride is a constexpr at launch). The routing, padding and combine kernels this backend shares
 are compiled by the bf16 script.
 """
@@ -27,7 +27,6 @@ from megamoe.backends.triton_mx.wgrad import _mx_wgrad_kernel
 from megamoe.quant.mx import BLOCK
 from tests.megamoe.triton.sm90_compile import CUDA, NUM_SMS, G, H, I, R, T, config_constexprs, report
 
-_LAUNCHER_ONLY = ("PROGRAMS_PER_SM",)  # sizes the persistent grid; not a kernel parameter
 NUM_BLOCKS = -(-R // BLOCK) + G * WGRAD_BLOCK_ALIGN  # MXPlan.num_blocks: block slots along R
 BINS = triton.next_power_of_2(G)  # quantize_segments._launch, swiglu_backward_quant
 
@@ -38,7 +37,7 @@ def _gemm(*, gather: bool, rows: int, N: int, K: int, out: str, remote: str = ""
     ``remote`` (EP over symmetric memory): ``"scale"`` rows times their routing weight, ``"scalar"``
     rows with a scalar, sent to their sources."""
     cfg = gemm_config(CUDA)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    bm, bn = cfg.block_m, cfg.block_n
     args = dict(
         a_ptr="*fp8e4nv", a_desc=None if gather else f"tensordesc<fp8e4nv[{bm},{BLOCK}]>", a_scale_ptr="*u8",
         a_rows_ptr="*i32" if gather else None, b_desc=f"tensordesc<fp8e4nv[1,{bn},{BLOCK}]>",
@@ -48,23 +47,23 @@ def _gemm(*, gather: bool, rows: int, N: int, K: int, out: str, remote: str = ""
         comb_scalar_ptr="*fp32" if remote else None, ptrs_dev="i64", rank="i32", world="i32",
         OUT_REMOTE=bool(remote), ROW_SCALE=remote == "scale", PUSH_SCALAR=remote == "scalar", N=N, K=K, stride_a=K,
         stride_as_r=1, stride_as_k=rows, stride_bs_g=N, stride_bs_n=1, stride_bs_k=G * N, stride_c=N,
-        num_programs=NUM_SMS * cfg["PROGRAMS_PER_SM"], A_GATHER=gather,
-        **config_constexprs(_mx_grouped_gemm_kernel, cfg, _LAUNCHER_ONLY, GROUP_M=8),
+        num_programs=NUM_SMS * cfg.programs_per_sm, A_GATHER=gather,
+        **config_constexprs(_mx_grouped_gemm_kernel, cfg),
     )  # fmt: skip
-    return _mx_grouped_gemm_kernel, args, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    return _mx_grouped_gemm_kernel, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
 def _wgrad(M: int, N: int) -> tuple:
     """wgrad.mx_wgrad: packed along-R operands ``[M|N, 32 NB]``, codes ``[NB, M|N]`` storage."""
     cfg = wgrad_config(CUDA)
     args = dict(
-        p_desc=f"tensordesc<fp8e4nv[{cfg['BLOCK_M']},{BLOCK}]>",
-        q_desc=f"tensordesc<fp8e4nv[{cfg['BLOCK_N']},{BLOCK}]>", p_scale_ptr="*u8", q_scale_ptr="*u8",
+        p_desc=f"tensordesc<fp8e4nv[{cfg.block_m},{BLOCK}]>",
+        q_desc=f"tensordesc<fp8e4nv[{cfg.block_n},{BLOCK}]>", p_scale_ptr="*u8", q_scale_ptr="*u8",
         out_ptr="*bf16", block_start_ptr="*i32", G=G, M=M, N=N, stride_ps_m=1, stride_ps_b=M,
-        stride_qs_n=1, stride_qs_b=N, num_programs=NUM_SMS * cfg["PROGRAMS_PER_SM"],
-        **config_constexprs(_mx_wgrad_kernel, cfg, _LAUNCHER_ONLY, GROUP_M=8),
+        stride_qs_n=1, stride_qs_b=N, num_programs=NUM_SMS * cfg.programs_per_sm,
+        **config_constexprs(_mx_wgrad_kernel, cfg),
     )  # fmt: skip
-    return _mx_wgrad_kernel, args, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    return _mx_wgrad_kernel, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
 def _quantize_rows(rows: int, X: int, *, valid: bool) -> tuple:

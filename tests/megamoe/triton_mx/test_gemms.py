@@ -9,6 +9,8 @@ indexing, scale handling, gather, tile table and ragged edges, not Hopper's MMA 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,7 +92,7 @@ def test_mx_wgrad_matches_per_expert_product_of_along_r_operands(counts: list[in
     G, M, N = len(counts), 24, 40
     R = sum(counts)
     align = block_k // 32
-    config = {**wgrad_config(DEVICE), "BLOCK_K": block_k}
+    config = dataclasses.replace(wgrad_config(DEVICE), block_k=block_k)
     p_src, q_src = spread(R, M, seed=5), spread(R + 3, N, seed=6)
     index = torch.randperm(R + 3, generator=torch.Generator().manual_seed(1))[:R]
     starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
@@ -118,10 +120,9 @@ def test_mx_wgrad_rejects_a_stage_deeper_than_the_block_alignment() -> None:
     starts = torch.tensor([0, 40], dtype=torch.int32, device=DEVICE)
     p = quantize_segments(spread(40, 16, seed=1).to(DEVICE), starts, segment_block_starts(starts), 3)
     out = torch.empty(1, 16, 16, device=DEVICE)
+    config = dataclasses.replace(wgrad_config(DEVICE), block_k=64)
     with pytest.raises(ValueError, match="must divide block_align=1"):
-        mx_wgrad(
-            p, p, out, segment_block_starts(starts), config={**wgrad_config(DEVICE), "BLOCK_K": 64}, num_sms=1
-        )
+        mx_wgrad(p, p, out, segment_block_starts(starts), config=config, num_sms=1)
 
 
 @pytest.mark.parametrize("block_k", [32, 64, 128, 256])
@@ -132,7 +133,7 @@ def test_mx_grouped_gemm_any_stage_depth_matches(block_k: int) -> None:
     plan = build_routing_plan(idx.to(DEVICE), num_experts=G, block_m=block_m(DEVICE))
     src, w = spread(T, KD, seed=3), spread(G * N, KD, seed=4).reshape(G, N, KD)
     out = torch.empty(T, N, device=DEVICE)
-    config = {**gemm_config(DEVICE), "BLOCK_K": block_k}
+    config = dataclasses.replace(gemm_config(DEVICE), block_k=block_k)
     a = quantize_rows(src.to(DEVICE))
     b = quantize_mx(w.to(DEVICE), dim=-1)
     mx_grouped_gemm(a, b, out, plan, config=config, num_sms=num_programs(DEVICE), a_rows=plan.row_token_R)
@@ -164,7 +165,7 @@ def test_mx_grouped_gemm_nan_block_poisons_only_its_rows() -> None:
 
 
 def test_mx_gemms_programs_per_sm_change_only_the_grid() -> None:
-    """``PROGRAMS_PER_SM`` (two co-resident 4-warp programs on an H200) launches more persistent programs:
+    """``programs_per_sm`` (two co-resident 4-warp programs on an H200) launches more persistent programs:
     every tile is still summed by one program in the same order, so the outputs are bitwise equal."""
     T, KD, N, G = 40, 96, 48, 3
     idx = _routing(T, 2, G, drop=0.1, empty=0, seed=5)
@@ -174,13 +175,13 @@ def test_mx_gemms_programs_per_sm_change_only_the_grid() -> None:
     outs = []
     for per_sm in (1, 3):
         out = torch.zeros(plan.row_token_R.shape[0], N, device=DEVICE)
-        config = {**gemm_config(DEVICE), "PROGRAMS_PER_SM": per_sm}
+        config = dataclasses.replace(gemm_config(DEVICE), programs_per_sm=per_sm)
         mx_grouped_gemm(a, b, out, plan, config=config, num_sms=1, a_rows=plan.row_token_R)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
 
     starts = plan.expert_start_G1
-    align = wgrad_config(DEVICE)["BLOCK_K"] // 32
+    align = wgrad_config(DEVICE).block_k // 32
     block_start = segment_block_starts(starts, align=align)
     num_blocks = -(-int(starts[-1]) // 32) + G * align
     R = plan.row_token_R.shape[0]
@@ -189,7 +190,7 @@ def test_mx_gemms_programs_per_sm_change_only_the_grid() -> None:
     wouts = []
     for per_sm in (1, 3):
         out = torch.empty(G, 32, 48, device=DEVICE)
-        config = {**wgrad_config(DEVICE), "PROGRAMS_PER_SM": per_sm}
+        config = dataclasses.replace(wgrad_config(DEVICE), programs_per_sm=per_sm)
         mx_wgrad(p, q, out, block_start, config=config, num_sms=1, block_align=align)
         wouts.append(out)
     assert torch.equal(wouts[0], wouts[1])
