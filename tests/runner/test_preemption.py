@@ -1,16 +1,16 @@
 """Preemption under `primus-cli direct`: SIGTERM/SIGUSR1 make the ranks save and exit 75, SIGINT 130.
 
-Real torchrun with 2 CPU processes: first a stand-in trainer that reports the signal it got (fast),
-then the real trainer, stopped by SIGUSR1 and run again until it resumes and finishes (slow).
+Real torchrun with 2 CPU processes and a stand-in trainer that reports the signal it got. The real
+trainer preempted through the launcher, requeued and resumed with every step trained once is
+tests/integration/slurm/test_slurm_preemption.py; the trainer's own save and resume on a signal,
+tests/train/test_resume.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -92,55 +92,3 @@ def test_preemption_ranks_that_stop_on_their_own_with_75_exit_75(tmp_path: Path)
     assert proc.returncode == 75, err
     assert "exit_duration_in_mins reached: the ranks saved a checkpoint at iteration 3 and exited 75" in err
     assert "failed first" not in err
-
-
-# --------------------------------------------------------------------------- the real trainer
-
-
-def _records(workspace: Path) -> list[dict]:
-    path = workspace / "megamoe/demo/moe_tiny-mock-pretrain/training_log.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _train(workspace: Path, *, stop_after: int | None) -> subprocess.CompletedProcess:
-    """`primus-cli direct -- train pretrain ...` on 2 ranks; SIGUSR1 once iteration `stop_after` is logged."""
-    argv = [PRIMUS_CLI, "direct", "--", "train", "pretrain", "--config", MOCK, "--workspace", str(workspace),
-            "--train_iters", "8"]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=ROOT, env=job_env(dict(os.environ)), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    deadline = time.monotonic() + 120
-    while stop_after and proc.poll() is None and time.monotonic() < deadline:
-        if any(r["event"] == "train" and r["iteration"] >= stop_after for r in _records(workspace)):
-            proc.send_signal(signal.SIGUSR1)
-            break
-        time.sleep(0.1)
-    out, err = proc.communicate(timeout=150)
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_preemption_real_training_saves_exits_75_and_the_rerun_resumes_without_repeating_a_step(
-    tmp_path: Path,
-) -> None:
-    first = _train(tmp_path, stop_after=3)
-    assert first.returncode == 75, first.stderr[-3000:]
-    saved = int((tmp_path / "megamoe/demo/moe_tiny-mock-pretrain/checkpoints/latest_checkpointed_iteration.txt")
-                .read_text())  # fmt: skip
-    assert 3 <= saved < 8
-    assert (
-        f"preempted (SIGUSR1): the ranks saved a checkpoint at iteration {saved} and exited 75"
-        in first.stderr
-    )
-
-    second = _train(tmp_path, stop_after=None)
-    assert second.returncode == 0, second.stderr[-3000:]
-    records = _records(tmp_path)
-    assert [r["start_iteration"] for r in records if r["event"] == "run_start"] == [0, saved]
-    launches: list[list[int]] = []
-    for r in records:
-        if r["event"] == "run_start":
-            launches.append([])
-        elif r["event"] == "train":
-            launches[-1].append(r["iteration"])
-    assert launches == [list(range(1, saved + 1)), list(range(saved + 1, 9))], "each step trained once"

@@ -21,7 +21,7 @@ from megamoe.backends.mxfp8_reference import MXFP8ReferenceBackend
 from megamoe.quant import fake_quantize_mx
 from tests.megamoe.reference_math import make_case
 
-KEY = ("reference", "mxfp8")
+KEY = ("reference", "mxfp8", "local", None)  # megamoe.backends._CACHE: name, precision, transport, symm
 NAMES = ("y", "dx", "d_topk_weights", "dw1", "dw2")
 
 

@@ -106,8 +106,8 @@ def test_back_to_back_layers_reuse_one_workspace(tmp_path, dispatch) -> None:
 
 @pytest.mark.parametrize("dispatch", ["push", "broadcast"])
 @pytest.mark.parametrize(
-    ("world", "tokens"), [(4, [5, 9, 0, 7]), (8, [3, 5, 0, 4, 6, 2, 5, 3])], ids=["ep4", "ep8"]
-)
+    ("world", "tokens"), [(8, [3, 5, 0, 4, 6, 2, 5, 3])], ids=["ep8"]
+)  # the flat waits' limit
 def test_larger_ep_groups(tmp_path, world, tokens, dispatch) -> None:
     """EP = 4 and 8 (the most one node holds): every rank sends to every peer and to itself."""
     case = _cases([tokens], H=16, I=8, E=2 * world, K=3, drop=0.1)
