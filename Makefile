@@ -51,8 +51,8 @@ integration-infra:  ## install and start Slurm (munge, slurmctld, 2 slurmd) and 
 test: $(VENV)/.stamp lint integration-infra  ## the whole suite (CPU; GPU tests run where a GPU is)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-unit: $(VENV)/.stamp lint  ## the fast loop: no Slurm, no containers, no slow tests
-	$(PY) -m pytest -m "not slow and not slurm and not container" $(PYTEST_ARGS)
+unit: $(VENV)/.stamp lint  ## the fast loop: no Slurm, no containers, no slow tests; both cores
+	$(PY) -m pytest -m "not slow and not slurm and not container" -n 2 --dist loadfile $(PYTEST_ARGS)
 
 bench: $(VENV)/.stamp  ## GPU benchmark of the expert path against torch._grouped_mm
 	$(PY) -m benchmarks.bench --mode layer --models DeepSeek-V3,Qwen3-30B-A3B,Qwen3-235B-A22B

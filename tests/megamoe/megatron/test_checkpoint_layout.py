@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests._dist import run_ranks
 from tests.megamoe.megatron.models import build_gpt, moe_config, setup_megatron
 
@@ -17,6 +19,7 @@ def _layout(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_expert_weights_are_sharded_over_ep_and_router_is_replicated(tmp_path):
     layouts = run_ranks(_layout, 2, tmp_path)
     fc1 = "decoder.layers.0.mlp.experts.fc1.weight"

@@ -16,6 +16,8 @@ from megamoe import fused_mega_moe
 from tests._dist import run_ranks
 from tests.megamoe.triton.test_backend import GRADS, _case, _run
 
+pytestmark = pytest.mark.slow  # EP ranks in Triton's interpreter: minutes together, so not in `make unit`
+
 
 def _rank(rank: int, world: int, case: tuple, layers: int, dispatch: str) -> list[dict[str, torch.Tensor]]:
     import os
