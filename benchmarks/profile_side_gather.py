@@ -6,11 +6,11 @@ At DeepSeek-V3's per-rank shape it times the dgrad GEMMs (``dgrad1``: ``dh @ W1`
 dy-gathering ``dy[rows] @ W2``) ``--samples`` times alone and with each variant of :data:`VARIANTS`
 beside them on a side stream (one CUDA-event pair per sample, the L2 flushed before each, the legs in
 interleaved rounds). The variants change one thing of the backward's row gather at a time: how its
-row blocks are shared out (a fixed share per program, as ``side_gather`` did until session 10, or a
+row blocks are shared out (a fixed share per program, as an earlier ``side_gather`` did, or a
 device counter, as its register copy does now), its pace (at once, or spread by the global timer over a fraction of
 the GEMM's time), its cache hints, its bytes (a scatter that reads each token once), its loads or its
 stores alone, no memory work at all (an empty kernel; a spin), or no row through registers (``tma``:
-``side_gather``'s TMA kernel, which it uses on Hopper since session 10, timeline not recorded). Every program records its
+``side_gather``'s TMA kernel, which it uses on Hopper, timeline not recorded). Every program records its
 multiprocessor (``%smid``), start, end and clock cycles, so a slow sample can be matched to the
 placement (``doubled``: multiprocessors that got two or more of its programs, where the GEMM's program
 then no longer fits until one ends) and the SM clock read beside the GEMM.

@@ -21,7 +21,7 @@ memory traffic running beside it on a side stream, as EP = 2 runs these GEMMs (t
 it; ``slowdown`` is the leg's ms over its own ms alone):
 
 * ``gather``  the backward's transient row gather (``side_gather.RowGather`` of ``x[row_token]``, the
-  wgrad's TMA-fed operand; on Hopper by the TMA unit since session 10), which runs beside both dgrads on
+  wgrad's TMA-fed operand; on Hopper by the TMA unit), which runs beside both dgrads on
   one GPU and, as the pool gather of broadcast mode, beside them at EP > 1;
 * ``inbound`` the bytes a peer's stores and copies bring into this GPU's memory during the op at EP = 2
   (:data:`INBOUND_AT_EP2`), written at an even pace over 90 % of the default candidate's time alone

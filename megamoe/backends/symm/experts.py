@@ -8,13 +8,10 @@ pass in stage 2, so stage 1 makes no ``act``.
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from torch import Tensor
 
-from megamoe.backends.base import StagedBackend
 from megamoe.backends.symm import ops
-from megamoe.backends.symm.ops import SymmState
-from megamoe.settings import SymmSettings
+from megamoe.backends.symm.ops import SymmState, SymmStatePlans
 
 
 def _asked(
@@ -24,24 +21,11 @@ def _asked(
     return tuple(g if need else None for g, need in zip(grads, needs_grad, strict=True))
 
 
-class SymmTritonBackend(StagedBackend):
-    """Implements :class:`~megamoe.backends.base.ExpertBackend` over symmetric memory; ``settings``
+class SymmTritonBackend(SymmStatePlans):
+    """Implements :class:`~megamoe.backends.base.ExpertBackend` over symmetric memory; the settings
     configure the group's workspace when the first op allocates it."""
 
     name = "triton_symm"
-
-    def __init__(self, settings: SymmSettings) -> None:
-        self.settings = settings.to_json()
-
-    def make_plan(
-        self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
-    ) -> SymmState:
-        if group is None:
-            raise ValueError("the symmetric-memory path needs an EP process group")
-        return SymmState(group.group_name, num_experts, topk_idx_TK, self.settings)
-
-    def with_stage1_state(self, plan: SymmState, state: tuple[Tensor, ...]) -> SymmState:
-        return plan.with_state(state)
 
     def stage1_forward(
         self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: SymmState

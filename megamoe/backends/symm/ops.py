@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megamoe.backends.base import StagedBackend
 from megamoe.backends.symm.backend import SymmBackend, SymmPlan, recv_plan
 from megamoe.backends.symm.layout import SymmLayout
 from megamoe.backends.symm.workspace import WorkspaceKey, find_workspace, pool_rows
@@ -67,6 +68,24 @@ class SymmState:
 
     def with_state(self, state: tuple[Tensor, ...]) -> SymmState:
         return replace(self, state=tuple(state))
+
+
+class SymmStatePlans(StagedBackend):
+    """The plans of the backends that run over symmetric memory (bf16 fused, MXFP8): a
+    :class:`SymmState` carrying ``settings``, completed by the tensors stage 1 returns."""
+
+    def __init__(self, settings: SymmSettings) -> None:
+        self.settings = settings.to_json()
+
+    def make_plan(
+        self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
+    ) -> SymmState:
+        if group is None:
+            raise ValueError("the symmetric-memory path needs an EP process group")
+        return SymmState(group.group_name, num_experts, topk_idx_TK, self.settings)
+
+    def with_stage1_state(self, plan: SymmState, state: tuple[Tensor, ...]) -> SymmState:
+        return plan.with_state(state)
 
 
 def _group(group_name: str) -> dist.ProcessGroup:

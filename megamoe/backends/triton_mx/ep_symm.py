@@ -24,13 +24,11 @@ source (rowwise blocks commute with moving rows).
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from torch import Tensor
 
-from megamoe.backends.base import StagedBackend
 from megamoe.backends.symm import launch, transport
 from megamoe.backends.symm.backend import SymmPlan
-from megamoe.backends.symm.ops import SymmState, eager_plan, state_of, symm_backend
+from megamoe.backends.symm.ops import SymmState, SymmStatePlans, eager_plan, state_of, symm_backend
 from megamoe.backends.symm.workspace import STATE_DONE
 from megamoe.backends.triton_mx.experts import MXExperts, check_widths, row_plan
 from megamoe.backends.triton_mx.grouped_gemm import RemoteRows
@@ -142,26 +140,16 @@ def stage1_backward(
     return dx, d_weights, dw1
 
 
-class MXFP8SymmBackend(StagedBackend):
+class MXFP8SymmBackend(SymmStatePlans):
     """Implements :class:`~megamoe.backends.base.ExpertBackend` for ``precision="mxfp8"`` at EP > 1
     over symmetric memory, with the one-GPU MX kernels of :class:`MXFP8TritonBackend`'s weight cache."""
 
     name = "triton_mxfp8_symm"
 
     def __init__(self, settings: SymmSettings, weights: WeightCache | None = None) -> None:
-        self.settings = settings.to_json()
+        super().__init__(settings)
         self.weight_cache = weights if weights is not None else weight_cache()
         self.experts = MXExperts(self.weight_cache)
-
-    def make_plan(
-        self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
-    ) -> SymmState:
-        if group is None:
-            raise ValueError("the symmetric-memory path needs an EP process group")
-        return SymmState(group.group_name, num_experts, topk_idx_TK, self.settings)
-
-    def with_stage1_state(self, plan: SymmState, state: tuple[Tensor, ...]) -> SymmState:
-        return plan.with_state(state)
 
     def stage1_forward(self, x_TH, topk_weights_TK, w1_G2IH, plan):
         return stage1_forward(self.experts, x_TH, topk_weights_TK, w1_G2IH, plan)
