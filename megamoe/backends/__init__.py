@@ -4,10 +4,12 @@
 Primus-Turbo's FlyDSL kernels for bf16 on ROCm when ``primus_turbo`` is installed, and the exact
 PyTorch reference everywhere else.
 
-``precision`` picks the number format of the expert GEMMs: ``bf16`` (the inputs' own dtype) or
-``mxfp8`` (:mod:`megamoe.quant`). MXFP8 has Triton kernels (:mod:`megamoe.backends.triton_mx`), which
-``auto`` picks for bf16 on CUDA, and the exact emulation (:mod:`megamoe.backends.mxfp8_reference`),
-the choice everywhere else.
+``precision`` picks the number format of the expert GEMMs: ``bf16`` (the inputs' own dtype),
+``mxfp8`` (OCP MX, :mod:`megamoe.quant.mx`) or ``fp8`` (DeepSeek-V3's blockwise FP8,
+:mod:`megamoe.quant.fp8`). MXFP8 has Triton kernels (:mod:`megamoe.backends.triton_mx`), which
+``auto`` picks for bf16 on CUDA, and the exact emulation
+(:mod:`megamoe.backends.quantized_reference`), the choice everywhere else. FP8 has only the exact
+emulation so far: ``auto`` picks it everywhere, and ``backend="triton"`` is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from megamoe.errors import InvalidConfigError, UnsupportedSettingError
 from megamoe.settings import EP_TRANSPORTS, EPSettings
 
 BACKEND_NAMES = ("auto", "reference", "triton", "primus_turbo")
-PRECISIONS = ("bf16", "mxfp8")
+PRECISIONS = ("bf16", "mxfp8", "fp8")
+QUANTIZED = ("mxfp8", "fp8")
+"""the precisions whose weights are quantised and cached per optimizer step."""
 
 
 def _require_triton() -> None:
@@ -59,17 +63,25 @@ def _triton(precision: str, transport: str, settings: EPSettings) -> ExpertBacke
 
 
 def _load(name: str, precision: str, transport: str, settings: EPSettings) -> ExpertBackend:
+    if name == "triton" and precision == "fp8":
+        raise UnsupportedSettingError(
+            "backend",
+            "triton",
+            "precision='fp8' has no Triton kernels yet",
+            "Use backend='auto' or 'reference' (the exact emulation, slow: see docs/fp8.md), "
+            "or precision='mxfp8' for Triton kernels",
+        )
     if name == "triton":
         return _triton(precision, transport, settings)
-    if precision == "mxfp8":
+    if precision in QUANTIZED:
         if name == "reference":
-            from megamoe.backends.mxfp8_reference import MXFP8ReferenceBackend
+            from megamoe.backends.quantized_reference import FP8ReferenceBackend, MXFP8ReferenceBackend
 
-            return MXFP8ReferenceBackend()
+            return MXFP8ReferenceBackend() if precision == "mxfp8" else FP8ReferenceBackend()
         raise UnsupportedSettingError(
             "precision",
-            "mxfp8",
-            f"backend {name!r} has no MXFP8 kernels",
+            precision,
+            f"backend {name!r} has no {precision.upper()} kernels",
             "Use backend='reference' or 'auto'",
         )
     if name == "reference":
@@ -85,6 +97,8 @@ def resolve_backend_name(
     """Turn ``auto`` into a concrete backend name for tensors on ``device`` of ``dtype``."""
     if name != "auto":
         return name
+    if precision == "fp8":  # no kernels yet: the exact emulation everywhere
+        return "reference"
     if precision == "mxfp8":
         cuda = device.type == "cuda" and dtype == torch.bfloat16 and torch.version.hip is None
         return "triton" if cuda and importlib.util.find_spec("triton") is not None else "reference"
@@ -140,6 +154,7 @@ __all__ = [
     "BACKEND_NAMES",
     "EP_TRANSPORTS",
     "PRECISIONS",
+    "QUANTIZED",
     "EPSettings",
     "ExpertBackend",
     "get_backend",

@@ -3,11 +3,12 @@
 * :mod:`megamoe.quant.mx` — OCP MX blocks (32 elements, E8M0 scale, E4M3 data), ``precision="mxfp8"``.
 * :mod:`megamoe.quant.fp8` — DeepSeek-V3's blockwise FP8 (1×128 tiles, 128×128 weight blocks, float32
   scales, E4M3 data), ``precision="fp8"``.
+* :mod:`megamoe.quant.recipes` — which quantised form each GEMM operand takes, per precision.
 * :mod:`megamoe.quant.cache` — :class:`WeightCache` and :func:`advance_weight_generation`, which the
   trainer calls once after each optimizer step.
 
-The expert path uses MX through ``fused_mega_moe(..., precision="mxfp8")``; the exact emulation is
-:mod:`megamoe.backends.mxfp8_reference`.
+The expert path uses them through ``fused_mega_moe(..., precision="mxfp8" | "fp8")``; the exact
+emulation of both is :mod:`megamoe.backends.quantized_reference`.
 """
 
 from megamoe.quant.cache import WeightCache, advance_weight_generation, weight_generation

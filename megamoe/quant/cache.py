@@ -2,9 +2,10 @@
 
 The MXFP8 path multiplies every weight in two MX forms: *rowwise* (``w [G, Y, X]`` in blocks along X,
 the forward operand) and *transposed* (``w^T [G, X, Y]`` stored contiguous, blocks along Y, the
-dgrad operand). Quantising them costs a pass over the weights, so each form is kept per weight and
-served again while the weight is unchanged: across gradient-accumulation micro-batches, activation
-recompute, warm-up and eval.
+dgrad operand). The FP8 path keeps one form, ``w`` in 128×128 blocks, whose transpose is exactly the
+blocks of ``w^T`` (:mod:`megamoe.quant.recipes`). Quantising costs a pass over the weights, so each
+form is kept per weight and served again while the weight is unchanged: across gradient-accumulation
+micro-batches, activation recompute, warm-up and eval.
 
 "Unchanged" is the stamp ``(weight_generation, w._version, w.data_ptr())``. ``w._version`` alone is
 not enough: optimizers that write parameters through ``.data`` or through a flat buffer that aliases
@@ -35,7 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megamoe.quant.fp8 import FP8Tensor
 from megamoe.quant.mx import MXTensor, empty_mx, quantize_mx
+
+QuantizedWeight = MXTensor | FP8Tensor
+"""a cached form: quantised data and scales, with ``dequantize()``."""
 
 _generation = 0
 
@@ -66,7 +71,7 @@ def _stamp(w: Tensor) -> tuple[int, int, int] | None:
 @dataclass(slots=True)
 class _Entry:
     ref: weakref.ref
-    mx: MXTensor
+    form: QuantizedWeight
     stamp: tuple[int, int, int] | None
 
 
@@ -79,19 +84,19 @@ def _empty_torch(shape: tuple[int, ...], device: torch.device) -> MXTensor:
 
 
 class WeightCache:
-    """MX forms of weights ``[G, Y, X]``, one entry per (live weight tensor, form), rewritten in place.
+    """Quantised forms of weights ``[G, Y, X]``, one entry per (live weight tensor, form), rewritten in place.
 
-    ``quantize(source, out)`` fills an entry (``source`` is ``w`` or the view ``w.transpose(1, 2)``,
-    blocks along its last dim) and ``empty(shape, device)`` allocates one: a kernel backend passes its
-    own quantiser and scale layout (same values as :func:`~megamoe.quant.mx.quantize_mx`); the defaults
-    are the PyTorch ones.
+    ``quantize(source, out)`` fills an entry (``source`` is ``w`` or the view ``w.transpose(1, 2)``)
+    and ``empty(shape, device)`` allocates one. The defaults are the MX ones in PyTorch (blocks along
+    the last dim, :func:`~megamoe.quant.mx.quantize_mx`); a kernel backend passes its own quantiser and
+    scale layout (same values), and the FP8 recipe its 128×128 block quantiser.
     """
 
     def __init__(
         self,
         *,
-        quantize: Callable[[Tensor, MXTensor], None] = _quantize_torch,
-        empty: Callable[[tuple[int, ...], torch.device], MXTensor] = _empty_torch,
+        quantize: Callable[[Tensor, QuantizedWeight], object] = _quantize_torch,
+        empty: Callable[[tuple[int, ...], torch.device], QuantizedWeight] = _empty_torch,
     ) -> None:
         self._quantize = quantize
         self._empty = empty
@@ -101,8 +106,8 @@ class WeightCache:
         self.misses = 0
         """forms (re)quantised."""
 
-    def get(self, w: Tensor, *, transposed: bool) -> MXTensor:
-        """``w`` in MX form: blocks along its last dim, or (``transposed``) ``w^T [G, X, Y]`` in blocks along Y."""
+    def get(self, w: Tensor, *, transposed: bool) -> QuantizedWeight:
+        """``w``'s quantised form, or (``transposed``) that of ``w^T [G, X, Y]``, stored contiguous."""
         if w.dim() != 3:
             raise ValueError(f"w: expected an expert weight [G, Y, X], got shape {tuple(w.shape)}")
         key = (id(w), transposed)
@@ -111,18 +116,18 @@ class WeightCache:
         if (
             entry is None
             or entry.ref() is not w
-            or entry.mx.shape != source.shape
-            or entry.mx.data.device != w.device
+            or entry.form.shape != source.shape
+            or entry.form.data.device != w.device
         ):
             entry = self._new_entry(key, w, source)
         stamp = _stamp(w)
         if stamp is not None and stamp == entry.stamp:
             self.hits += 1
-            return entry.mx
-        self._quantize(source, entry.mx)
+            return entry.form
+        self._quantize(source, entry.form)
         entry.stamp = stamp
         self.misses += 1
-        return entry.mx
+        return entry.form
 
     def _new_entry(self, key: tuple[int, bool], w: Tensor, source: Tensor) -> _Entry:
         entries = self._entries
@@ -131,7 +136,9 @@ class WeightCache:
             if key in entries and entries[key].ref is ref:
                 del entries[key]
 
-        entry = _Entry(ref=weakref.ref(w, forget), mx=self._empty(tuple(source.shape), w.device), stamp=None)
+        entry = _Entry(
+            ref=weakref.ref(w, forget), form=self._empty(tuple(source.shape), w.device), stamp=None
+        )
         entries[key] = entry
         return entry
 
@@ -141,11 +148,11 @@ class WeightCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by all cached forms."""
-        return sum(entry.mx.nbytes for entry in list(self._entries.values()))  # a list: GC may drop entries
+        return sum(entry.form.nbytes for entry in list(self._entries.values()))  # a list: GC may drop entries
 
     def buffers(self) -> list[tuple[int, int]]:
         """``(data_ptr, scale_ptr)`` of every entry: constant while the cache rewrites in place."""
-        return [(e.mx.data.data_ptr(), e.mx.scale.data_ptr()) for e in list(self._entries.values())]
+        return [(e.form.data.data_ptr(), e.form.scale.data_ptr()) for e in list(self._entries.values())]
 
     def clear(self) -> None:
         self._entries.clear()

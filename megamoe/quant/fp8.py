@@ -27,8 +27,8 @@ Rules, each pinned by a test in ``tests/megamoe/quant/test_fp8_format.py``:
   neither the amax nor a dot product).
 
 The represented value is ``e4m3 * s``: 4 significant bits times 24, exact in float64.
-:meth:`FP8Tensor.dequantize` computes it in float64 and rounds once to the requested dtype (float32:
-a relative error below ``2**-24``, far under E4M3's ``2**-4``).
+:meth:`FP8Tensor.dequantize` rounds it once to the requested dtype (float32: a relative error below
+``2**-24``, far under E4M3's ``2**-4``; one float32 multiply is that rounding).
 """
 
 from __future__ import annotations
@@ -77,11 +77,19 @@ class FP8Tensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The represented values ``e4m3 * s`` (exact in float64), rounded once to ``dtype``."""
-        scale = self.scale.to(torch.float64)
+        scale = self.scale
         for dim, extent in enumerate(self.tile):
             if extent > 1:
                 scale = scale.repeat_interleave(extent, dim=dim).narrow(dim, 0, self.data.shape[dim])
-        return (self.data.to(torch.float64) * scale).to(dtype)
+        return _represented(self.data, scale, dtype)
+
+
+def _represented(elements: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``elements * scale`` rounded once to ``dtype``: a float32 product is already the correctly rounded
+    value; any other dtype goes through the exact float64 product (rounding float32 again would be a
+    second rounding)."""
+    exact = torch.float32 if dtype == torch.float32 else torch.float64
+    return (elements.to(exact) * scale.to(exact)).to(dtype)
 
 
 def tile_scales(amax: Tensor, *, scale_format: ScaleFormat = "fp32") -> Tensor:
@@ -161,8 +169,7 @@ def _quantize(
 
 def _fake(values: Tensor, tile: tuple[int, ...], scale_format: ScaleFormat, dtype: torch.dtype) -> Tensor:
     elements, scale = _quantize_tiled(_tiled(values, tile), scale_format)
-    represented = elements.to(torch.float64) * scale.to(torch.float64)
-    return _untiled(represented, values.shape).to(dtype)
+    return _untiled(_represented(elements, scale, dtype), values.shape)
 
 
 def _dim(values: Tensor, dim: int) -> int:

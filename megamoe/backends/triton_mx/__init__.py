@@ -7,5 +7,5 @@ weight gradients), ``swiglu`` (SwiGLU forward emitting ``q(a)``; backward emitti
 ``<da, a>`` and ``q(w a)`` along R); ``mx_math`` holds the format's bit arithmetic, ``configs`` the
 tiles, ``weights`` the weight cache's quantiser and ``backend`` the
 :class:`~megamoe.backends.base.ExpertBackend`. The definition of correct is
-:mod:`megamoe.backends.mxfp8_reference`; docs/mxfp8.md describes the design.
+:mod:`megamoe.backends.quantized_reference`; docs/mxfp8.md describes the design.
 """

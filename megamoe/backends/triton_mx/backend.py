@@ -1,4 +1,4 @@
-"""MXFP8 Triton expert backend: the emulation's table (:mod:`megamoe.backends.mxfp8_reference`) on
+"""MXFP8 Triton expert backend: the emulation's table (:mod:`megamoe.backends.quantized_reference`) on
 E4M3 tensor cores with per-32 scaled partial sums, quantisation fused into the producers.
 
 Legend: T tokens, H hidden, I intermediate, G local experts, K top-k, R = T*K expert-sorted rows

@@ -15,7 +15,7 @@ import torch
 from benchmarks.accuracy import snr_db
 from megamoe import dispatch_grouped_gemm, fused_mega_moe
 from megamoe.backends import get_backend, resolve_backend_name
-from megamoe.backends.mxfp8_reference import MXFP8ReferenceBackend
+from megamoe.backends.quantized_reference import MXFP8ReferenceBackend
 from megamoe.backends.triton_mx.backend import MXFP8TritonBackend
 from megamoe.errors import UnsupportedSettingError
 from tests.megamoe.triton_mx.test_quantize import DEVICE

@@ -2,7 +2,7 @@
 
 Bitwise equality is impossible (fp32 sums in another order), so: relative error per element small
 against the float64 product, and SNR >= 60 dB against the float32 emulation
-(:mod:`megamoe.backends.mxfp8_reference`'s math). Under ``TRITON_INTERPRET=1`` the interpreter runs
+(:mod:`megamoe.backends.quantized_reference`'s math). Under ``TRITON_INTERPRET=1`` the interpreter runs
 the E4M3 dot by upcasting to fp16 and multiplying in fp32 (exact products), so these pin the kernels'
 indexing, scale handling, gather, tile table and ragged edges, not Hopper's MMA rounding.
 """

@@ -1,21 +1,42 @@
-"""Naive per-token dense MXFP8 expert path in float64 on dequantised operands: the oracle of the tests.
+"""Naive per-token dense quantised expert path in float64 on dequantised operands: the oracle of the tests.
 
-Written from the quantisation table in :mod:`megamoe.backends.mxfp8_reference`, one (token, k) slot at
-a time; only the wgrad GEMMs stack an expert's rows (in slot order, which is the backend's row order)
-because their blocks run along the rows. Forward and backward are written out by hand: the MXFP8
-backward quantises ``dy`` and ``dh`` itself, so it is not the autograd of the quantised forward.
+Written from the quantisation tables in :mod:`megamoe.backends.quantized_reference`, one (token, k)
+slot at a time; only the wgrad GEMMs stack an expert's rows (in slot order, which is the backend's row
+order) because their tiles run along the rows. Forward and backward are written out by hand: the
+quantised backward quantises ``dy`` and ``dh`` itself, so it is not the autograd of the quantised
+forward. Both weight forms are quantised from scratch here (``W^T`` from ``w.transpose``), whatever
+the backend shares between them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from megamoe.quant import fake_quantize_mx
+from megamoe.quant import fake_quantize_fp8, fake_quantize_fp8_blocks, fake_quantize_mx
 
 
-def _q(t: Tensor, dim: int) -> Tensor:
-    return fake_quantize_mx(t, dim).double()
+@dataclass(frozen=True)
+class Quantizers:
+    """A precision's operand quantisers, in float64: ``operand(t, dim)`` tiles along ``dim``,
+    ``weight(w [E, Y, X])`` the form a GEMM multiplies (blocks along X, or 128×128 blocks)."""
+
+    operand: Callable[[Tensor, int], Tensor]
+    weight: Callable[[Tensor], Tensor]
+
+
+MX = Quantizers(
+    operand=lambda t, dim: fake_quantize_mx(t, dim).double(),
+    weight=lambda w: fake_quantize_mx(w, -1).double(),
+)
+FP8 = Quantizers(
+    operand=lambda t, dim: fake_quantize_fp8(t, dim, dtype=torch.float64),
+    weight=lambda w: fake_quantize_fp8_blocks(w, dtype=torch.float64),
+)
+ORACLES = {"mxfp8": MX, "fp8": FP8}
 
 
 def _swiglu(h: Tensor) -> Tensor:
@@ -29,16 +50,23 @@ def _swiglu_vjp(h: Tensor, grad_a: Tensor) -> Tensor:
     return grad_h
 
 
-def mx_dense_moe(
-    xs: list[Tensor], idxs: list[Tensor], tws: list[Tensor], w1: Tensor, w2: Tensor, dys: list[Tensor]
+def quantized_dense_moe(
+    q: Quantizers,
+    xs: list[Tensor],
+    idxs: list[Tensor],
+    tws: list[Tensor],
+    w1: Tensor,
+    w2: Tensor,
+    dys: list[Tensor],
 ) -> dict[str, list[Tensor] | Tensor]:
     """``y, dx, d_topk_weights`` per source (rank) and ``dw1, dw2`` for all experts, in float64.
 
     ``xs[r] [T_r, H]`` are the tokens of source rank r (one entry for a single rank), ``w1 [E, 2I, H]``,
     ``w2 [E, H, I]`` all experts' weights, ``dys[r]`` the output gradients.
     """
-    w1q, w2q = _q(w1, -1), _q(w2, -1)  # blocks along H, along I
-    w1tq, w2tq = _q(w1.transpose(1, 2), -1), _q(w2.transpose(1, 2), -1)  # along 2I, along H
+    _q = q.operand
+    w1q, w2q = q.weight(w1), q.weight(w2)  # reduced along H, along I
+    w1tq, w2tq = q.weight(w1.transpose(1, 2)), q.weight(w2.transpose(1, 2))  # along 2I, along H
     rows: dict[int, list[tuple[Tensor, Tensor, Tensor, Tensor]]] = {e: [] for e in range(w1.shape[0])}
     ys, dxs, dtws = [], [], []
     for x, idx, tw, dy in zip(xs, idxs, tws, dys, strict=True):

@@ -1,8 +1,9 @@
 """The weight cache inside training loops: never a stale weight after an optimizer step, flat memory.
 
-Every step runs the cached MXFP8 op twice (the second run is an activation recompute, served from the
-cache) and compares both, bit for bit, with a backend that has an empty cache and so quantises the
-current weights: forward (``y``), dgrad (``dx``, ``d_topk_weights``) and wgrad (``dw1``, ``dw2``).
+Every step runs the cached op (``mxfp8`` and ``fp8``) twice (the second run is an activation recompute,
+served from the cache) and compares both, bit for bit, with a backend that has an empty cache and so
+quantises the current weights: forward (``y``), dgrad (``dx``, ``d_topk_weights``) and wgrad (``dw1``,
+``dw2``). MXFP8 caches two forms per weight (``W`` and ``W^T``), FP8 one (its 128×128 blocks serve both).
 """
 
 from __future__ import annotations
@@ -17,39 +18,52 @@ import torch
 
 import megamoe.backends
 from megamoe import advance_weight_generation, fused_mega_moe
-from megamoe.backends.mxfp8_reference import MXFP8ReferenceBackend
-from megamoe.quant import fake_quantize_mx
+from megamoe.backends.quantized_reference import QuantizedReferenceBackend
+from megamoe.quant import fake_quantize_fp8_blocks, fake_quantize_mx
+from megamoe.quant.recipes import FP8, MXFP8
 from tests.megamoe.reference_math import make_case
 
-KEY = ("reference", "mxfp8", "local", None)  # megamoe.backends._CACHE: name, precision, transport, symm
 NAMES = ("y", "dx", "d_topk_weights", "dw1", "dw2")
+# (recipe, weight forms cached per weight, the direct quantisation of a cached form's source)
+PRECISIONS = {
+    "mxfp8": (MXFP8, 2, fake_quantize_mx),
+    "fp8": (FP8, 1, fake_quantize_fp8_blocks),
+}
 
 
 @contextlib.contextmanager
 def _using(backend):
-    previous = megamoe.backends._CACHE.get(KEY)
-    megamoe.backends._CACHE[KEY] = backend
+    key = ("reference", backend.recipe.precision, "local", None)  # megamoe.backends._CACHE's key
+    previous = megamoe.backends._CACHE.get(key)
+    megamoe.backends._CACHE[key] = backend
     try:
         yield backend
     finally:
         if previous is None:
-            megamoe.backends._CACHE.pop(KEY, None)
+            megamoe.backends._CACHE.pop(key, None)
         else:
-            megamoe.backends._CACHE[KEY] = previous
+            megamoe.backends._CACHE[key] = previous
 
 
-@pytest.fixture
-def cached():
-    advance_weight_generation()  # the trainer has started stepping
-    with _using(MXFP8ReferenceBackend()) as backend:
+@pytest.fixture(params=PRECISIONS.keys())
+def cached(request):
+    """A backend with a cache of one precision; the trainer has started stepping."""
+    advance_weight_generation()
+    with _using(QuantizedReferenceBackend(PRECISIONS[request.param][0])) as backend:
         yield backend
 
 
-class _Model:
-    """Expert weights as parameters plus one fixed batch."""
+def _forms(backend) -> int:
+    """Weight forms the backend caches per weight."""
+    return PRECISIONS[backend.recipe.precision][1]
 
-    def __init__(self, seed: int) -> None:
-        c = make_case(tokens=[24], hidden=64, inter=32, experts=2, topk=2, seed=seed)
+
+class _Model:
+    """Expert weights as parameters plus one fixed batch (H = 160: two FP8 tiles, the second short)."""
+
+    def __init__(self, seed: int, precision: str) -> None:
+        self.precision = precision
+        c = make_case(tokens=[24], hidden=160, inter=32, experts=2, topk=2, seed=seed)
         self.w1 = torch.nn.Parameter(c["w1"].float())
         self.w2 = torch.nn.Parameter(c["w2"].float())
         self.x, self.idx, self.tw = c["x"][0].float(), c["topk_idx"][0], c["topk_weights"][0].float()
@@ -58,12 +72,12 @@ class _Model:
     def run(self) -> dict[str, torch.Tensor]:
         """Forward and backward; returns outputs and gradients without touching ``.grad``."""
         x, tw = self.x.clone().requires_grad_(), self.tw.clone().requires_grad_()
-        y = fused_mega_moe(x, self.idx, tw, self.w1, self.w2, precision="mxfp8")
+        y = fused_mega_moe(x, self.idx, tw, self.w1, self.w2, precision=self.precision)
         grads = torch.autograd.grad(y, (x, tw, self.w1, self.w2), self.dy)
         return dict(zip(NAMES, (y.detach(), *grads), strict=True))
 
     def fresh(self) -> dict[str, torch.Tensor]:
-        with _using(MXFP8ReferenceBackend()):
+        with _using(QuantizedReferenceBackend(PRECISIONS[self.precision][0])):
             return self.run()
 
 
@@ -85,7 +99,7 @@ def _assert_same(got, expected, what):
 
 @pytest.mark.parametrize("update", [_sgd, _through_data], ids=["torch.optim.SGD", "through .data"])
 def test_no_stale_quantised_weight_after_optimizer_steps(cached, update):
-    model = _Model(seed=1)
+    model = _Model(seed=1, precision=cached.recipe.precision)
     for step in range(5):
         first, recompute = model.run(), model.run()
         expected = model.fresh()
@@ -93,22 +107,23 @@ def test_no_stale_quantised_weight_after_optimizer_steps(cached, update):
         _assert_same(recompute, expected, f"step {step} recompute")
         update(model, first)
         advance_weight_generation()
-    # per step: w1, w2 (forward) and their transposed forms (dgrad) quantised once, then served
-    assert (cached.weight_cache.misses, cached.weight_cache.hits) == (4 * 5, 4 * 5)
+    # per step: each form of w1 and w2 quantised once, then served; 2 runs x 4 GEMMs with a weight
+    forms = 2 * _forms(cached)
+    assert (cached.weight_cache.misses, cached.weight_cache.hits) == (forms * 5, (8 - forms) * 5)
 
 
 def test_eval_forward_between_steps_is_served_from_the_cache(cached):
-    model = _Model(seed=2)
+    model = _Model(seed=2, precision=cached.recipe.precision)
     model.run()
     misses = cached.weight_cache.misses
     with torch.no_grad():
-        fused_mega_moe(model.x, model.idx, model.tw, model.w1, model.w2, precision="mxfp8")
+        fused_mega_moe(model.x, model.idx, model.tw, model.w1, model.w2, precision=model.precision)
     assert cached.weight_cache.misses == misses
 
 
 def test_data_update_without_generation_advance_serves_stale_weights(cached):
     """The failure advance_weight_generation() exists to prevent (the original's dgrad bug, on purpose)."""
-    model = _Model(seed=3)
+    model = _Model(seed=3, precision=cached.recipe.precision)
     _through_data(model, model.run())
     stale, fresh = model.run(), model.fresh()
     assert not torch.equal(stale["y"], fresh["y"]) and not torch.equal(stale["dx"], fresh["dx"])
@@ -145,8 +160,8 @@ def test_cache_memory_flat_and_rewritten_in_place_over_200_steps(cached):
     tensors the cache holds stay the same objects, storages and bytes (only the cache is measured, so
     tensors other tests leave alive or free in this process don't count), and end up holding the last
     weights' quantisation."""
-    model = _Model(seed=4)
-    cache = cached.weight_cache
+    model = _Model(seed=4, precision=cached.recipe.precision)
+    cache, forms = cached.weight_cache, 2 * _forms(cached)
     for step in range(200):
         grads = model.run()
         model.w1.data.add_(grads["dw1"].sign(), alpha=-1e-3)  # bounded steps: finite for 200 steps
@@ -157,15 +172,18 @@ def test_cache_memory_flat_and_rewritten_in_place_over_200_steps(cached):
             # kept alive here, so a cache that re-allocated could not get the same addresses back
             first, (layout, nbytes) = held, _memory(held)
             entries, cache_nbytes, buffers = len(cache), cache.nbytes, cache.buffers()
-            assert (entries, len(first)) == (4, 8), "w1, w2, their transposes: data and scale each"
+            assert (entries, len(first)) == (forms, 2 * forms), "each form of w1 and w2: data and scale"
             misses = cache.misses
             continue
         assert {id(t) for t in held} == {id(t) for t in first}, f"step {step}: the cache's tensors changed"
         assert _memory(held) == (layout, nbytes), f"step {step}: the cache's storages moved or grew"
         assert (len(cache), cache.nbytes, cache.buffers()) == (entries, cache_nbytes, buffers), f"step {step}"
-        assert cache.misses == misses + 4 * step, f"step {step}: every form re-quantised once per step"
+        assert cache.misses == misses + forms * step, f"step {step}: every form re-quantised once per step"
     model.run()  # the last refresh, into the same buffers
     assert _memory(_tensors_held_by(cache)) == (layout, nbytes)
-    forms = {(id(w), t): (w.transpose(1, 2) if t else w) for w in (model.w1, model.w2) for t in (False, True)}
+    sources = {
+        (id(w), t): (w.transpose(1, 2) if t else w) for w in (model.w1, model.w2) for t in (False, True)
+    }
+    direct = PRECISIONS[cached.recipe.precision][2]
     for key, entry in cache._entries.items():
-        torch.testing.assert_close(entry.mx.dequantize(), fake_quantize_mx(forms[key]), rtol=0, atol=0)
+        torch.testing.assert_close(entry.form.dequantize(), direct(sources[key]), rtol=0, atol=0)

@@ -1,14 +1,18 @@
-"""Exact MXFP8 emulation of the expert path: the definition of correct for every MXFP8 kernel.
+"""Exact emulation of the quantised expert paths (``mxfp8``, ``fp8``): the definition of correct for
+their kernels.
 
-Every expert GEMM quantises both operands to MX (:mod:`megamoe.quant.mx`: E4M3 elements, one E8M0
-scale per 32 along the GEMM's reduction dimension), dequantises them exactly, and multiplies in
-float32 (float64 for float64 inputs). Parameters, activations handed between the stages (``h``,
-``dh``) and gradients stay in the inputs' dtype; routing weights, SwiGLU and the top-k sums are
-computed in float32, as in the bf16 reference (:mod:`megamoe.backends.reference`). Runs on CPU and
-GPU, EP over any process group through :class:`~megamoe.backends.exchange.TokenExchange`.
+Every expert GEMM quantises both operands as its precision's :class:`~megamoe.quant.recipes.QuantRecipe`
+says, dequantises them exactly, and multiplies in float32 (float64 for float64 inputs). Parameters,
+activations handed between the stages (``h``, ``dh``) and gradients stay in the inputs' dtype; routing
+weights, SwiGLU and the top-k sums are computed in float32, as in the bf16 reference
+(:mod:`megamoe.backends.reference`). Runs on CPU and GPU, EP over any process group through
+:class:`~megamoe.backends.exchange.TokenExchange`. One class for both precisions; only the recipe differs.
 
 Legend: T tokens, H hidden, I intermediate, G local experts, R dispatched rows (expert-major),
-``q_r(M, X)``: MX blocks of M along dimension X; ``a = swiglu(h)``, ``w_r`` the routing weight of row r.
+``a = swiglu(h)``, ``w_r`` the routing weight of row r.
+
+``mxfp8`` (:mod:`megamoe.quant.mx`): ``q(M) along X`` = MX blocks of 32 of M along dimension X, one
+E8M0 scale each.
 
 ==========  ===========================  ==========================  ===============================
 GEMM        product                      left operand                right operand
@@ -21,13 +25,31 @@ fc1 dgrad   ``dx = dh W1``               ``q(dh)`` rowwise along 2I  ``q(W1^T)``
 fc1 wgrad   ``dW1 = dh^T x``             ``q(dh)`` along R           ``q(x)`` along R
 ==========  ===========================  ==========================  ===============================
 
+``fp8`` (:mod:`megamoe.quant.fp8`, DeepSeek-V3's recipe): ``t(M) along X`` = 1×128 tiles of M along
+X, ``b(W)`` = 128×128 blocks of W over its last two dims, one float32 scale each.
+
+==========  ===========================  ==========================  ===============================
+GEMM        product                      left operand                right operand
+==========  ===========================  ==========================  ===============================
+fc1 fwd     ``h = x W1^T``               ``t(x)`` rowwise along H    ``b(W1)`` (cache)
+fc2 fwd     ``o = a W2^T``               ``t(a)`` rowwise along I    ``b(W2)`` (cache)
+fc2 dgrad   ``da = dy W2``               ``t(dy)`` rowwise along H   ``b(W2)^T`` (same cache entry)
+fc2 wgrad   ``dW2 = dy^T (w a)``         ``t(dy)`` along R           ``t(w a)`` along R
+fc1 dgrad   ``dx = dh W1``               ``t(dh)`` rowwise along 2I  ``b(W1)^T`` (same cache entry)
+fc1 wgrad   ``dW1 = dh^T x``             ``t(dh)`` along R           ``t(x)`` along R
+==========  ===========================  ==========================  ===============================
+
+The dgrad weight is the forward one transposed: the 128×128 blocks of ``W^T`` are exactly the
+transposed blocks of ``W``, so one quantisation (one cache entry, one pass per optimizer step) serves
+both, and a kernel reads ``W^T`` through transposed descriptors over the same bytes.
+
 * Rowwise quantisation of ``x`` and ``dy`` commutes with the token exchange (each row has its own
   scales), so a kernel may quantise at the source and send E4M3 rows + scales (half the bytes):
   the result is bit-identical to quantising here, after the exchange.
-* Blocks along R start at each expert's first row (rows ``32j .. 32j+31`` of that expert's group,
-  the last block short): the GEMM sums within one expert, so a block never straddles two.
+* Tiles along R start at each expert's first row (rows ``Bj .. Bj+B-1`` of that expert's group, B = 32
+  or 128, the last one short): the GEMM sums within one expert, so a tile never straddles two.
 * ``y = sum_k w o``, the combine and the routing-weight gradient ``dw_r = <da_r, a_r>`` stay in
-  float32 from unquantised ``a``: no MX rounding on the combine path.
+  float32 from unquantised ``a``: no rounding to E4M3 on the combine path.
 * Weight forms come from a :class:`~megamoe.quant.cache.WeightCache`, refreshed by
   :func:`~megamoe.quant.cache.advance_weight_generation`.
 """
@@ -41,22 +63,11 @@ from torch import Tensor
 from megamoe.backends.base import StagedBackend, swiglu, swiglu_backward
 from megamoe.backends.exchange import TokenExchange
 from megamoe.quant.cache import WeightCache
-from megamoe.quant.mx import fake_quantize_mx
+from megamoe.quant.recipes import FP8, MXFP8, QuantRecipe
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
-
-
-def _rowwise(rows_RX: Tensor, dtype: torch.dtype) -> Tensor:
-    """MX operand with blocks along each row, dequantised to ``dtype``."""
-    return fake_quantize_mx(rows_RX, dim=1).to(dtype)
-
-
-def _along_rows(rows_RX: Tensor, counts: list[int], dtype: torch.dtype) -> Tensor:
-    """MX operand with blocks along R inside each expert's rows (wgrad), dequantised to ``dtype``."""
-    parts = [fake_quantize_mx(chunk, dim=0) for chunk in rows_RX.split(counts)]
-    return torch.cat(parts).to(dtype) if parts else rows_RX.to(dtype)
 
 
 def _per_expert_matmul(rows_RX: Tensor, weights_GYX: Tensor, counts: list[int]) -> Tensor:
@@ -79,16 +90,26 @@ def _per_expert_wgrad(left_RY: Tensor, right_RX: Tensor, counts: list[int]) -> T
     return dw
 
 
-class MXFP8ReferenceBackend(StagedBackend):
-    """Per-expert float32 matmuls on exactly dequantised MX operands, around an ``all_to_all`` exchange."""
+class QuantizedReferenceBackend(StagedBackend):
+    """Per-expert float32 matmuls on exactly dequantised operands (quantised as ``recipe`` says),
+    around an ``all_to_all`` exchange."""
 
-    name = "mxfp8_reference"
+    def __init__(self, recipe: QuantRecipe, weight_cache: WeightCache | None = None) -> None:
+        self.recipe = recipe
+        self.name = f"{recipe.precision}_reference"
+        self.weight_cache = weight_cache if weight_cache is not None else recipe.weight_cache()
 
-    def __init__(self, weight_cache: WeightCache | None = None) -> None:
-        self.weight_cache = weight_cache if weight_cache is not None else WeightCache()
+    def _rowwise(self, rows_RX: Tensor, dtype: torch.dtype) -> Tensor:
+        """Operand tiled along each row, dequantised to ``dtype``."""
+        return self.recipe.operand(rows_RX, 1, dtype)
+
+    def _along_rows(self, rows_RX: Tensor, counts: list[int], dtype: torch.dtype) -> Tensor:
+        """Operand tiled along R inside each expert's rows (wgrad), dequantised to ``dtype``."""
+        parts = [self.recipe.operand(chunk, 0, dtype) for chunk in rows_RX.split(counts)]
+        return torch.cat(parts) if parts else rows_RX.to(dtype)
 
     def _weight(self, w_GYX: Tensor, *, transposed: bool, dtype: torch.dtype) -> Tensor:
-        return self.weight_cache.get(w_GYX, transposed=transposed).dequantize(dtype)
+        return self.recipe.weight(self.weight_cache, w_GYX, transposed=transposed, dtype=dtype)
 
     def make_plan(
         self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
@@ -99,7 +120,7 @@ class MXFP8ReferenceBackend(StagedBackend):
         self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: TokenExchange
     ) -> tuple[Tensor, Tensor, None]:
         cdt = _compute_dtype(x_TH.dtype)
-        x_RH = _rowwise(plan.dispatch_tokens(x_TH), cdt)
+        x_RH = self._rowwise(plan.dispatch_tokens(x_TH), cdt)
         h_R2I = _per_expert_matmul(
             x_RH, self._weight(w1_G2IH, transposed=False, dtype=cdt), plan.tokens_per_expert
         )
@@ -120,14 +141,14 @@ class MXFP8ReferenceBackend(StagedBackend):
         dx = d_weights = dw1 = None
         if need_dx:
             w1_t = self._weight(w1_G2IH, transposed=True, dtype=cdt)  # [G, H, 2I]
-            dx_RH = _per_expert_matmul(_rowwise(grad_h_R2I, cdt), w1_t, counts)
+            dx_RH = _per_expert_matmul(self._rowwise(grad_h_R2I, cdt), w1_t, counts)
             dx = plan.combine_tokens(dx_RH, acc_dtype=cdt).to(x_TH.dtype)
         if need_dweights:
             d_weights = plan.combine_slot_values(grad_dispatch_weights_R)
         if need_dw1:
             x_RH = plan.dispatch_tokens(x_TH)  # recomputed: the forward kept only x
             dw1 = _per_expert_wgrad(
-                _along_rows(grad_h_R2I, counts, cdt), _along_rows(x_RH, counts, cdt), counts
+                self._along_rows(grad_h_R2I, counts, cdt), self._along_rows(x_RH, counts, cdt), counts
             )
             dw1 = dw1.to(w1_G2IH.dtype)
         return dx, d_weights, dw1
@@ -141,7 +162,7 @@ class MXFP8ReferenceBackend(StagedBackend):
         act_RI: Tensor | None = None,
     ) -> Tensor:
         cdt = _compute_dtype(h_R2I.dtype)
-        a_RI = _rowwise(swiglu(h_R2I.to(cdt)), cdt)
+        a_RI = self._rowwise(swiglu(h_R2I.to(cdt)), cdt)
         o_RH = _per_expert_matmul(
             a_RI, self._weight(w2_GHI, transposed=False, dtype=cdt), plan.tokens_per_expert
         )
@@ -167,14 +188,28 @@ class MXFP8ReferenceBackend(StagedBackend):
         dh = d_weights = dw2 = None
         if need_dh or need_dweights:
             w2_t = self._weight(w2_GHI, transposed=True, dtype=cdt)  # [G, I, H]
-            da_unweighted_RI = _per_expert_matmul(_rowwise(dy_RH, cdt), w2_t, counts)
+            da_unweighted_RI = _per_expert_matmul(self._rowwise(dy_RH, cdt), w2_t, counts)
             if need_dweights:
                 d_weights = (da_unweighted_RI * a_RI).sum(1).to(dispatch_weights_R.dtype)
             if need_dh:
                 dh = swiglu_backward(h_c, da_unweighted_RI * weights_R1).to(h_R2I.dtype)
         if need_dw2:
             dw2 = _per_expert_wgrad(
-                _along_rows(dy_RH, counts, cdt), _along_rows(a_RI * weights_R1, counts, cdt), counts
+                self._along_rows(dy_RH, counts, cdt), self._along_rows(a_RI * weights_R1, counts, cdt), counts
             )
             dw2 = dw2.to(w2_GHI.dtype)
         return dh, d_weights, dw2
+
+
+class MXFP8ReferenceBackend(QuantizedReferenceBackend):
+    """``precision="mxfp8"``: the emulation with MX operands."""
+
+    def __init__(self, weight_cache: WeightCache | None = None) -> None:
+        super().__init__(MXFP8, weight_cache)
+
+
+class FP8ReferenceBackend(QuantizedReferenceBackend):
+    """``precision="fp8"``: the emulation with blockwise FP8 operands."""
+
+    def __init__(self, weight_cache: WeightCache | None = None) -> None:
+        super().__init__(FP8, weight_cache)
