@@ -28,7 +28,7 @@ class MegaMoEOptions:
 
     enabled: bool
     """``enable_primus_turbo and use_turbo_mega_moe``."""
-    precision: Literal["bf16", "mxfp8"] = "bf16"
+    precision: Literal["bf16", "mxfp8", "fp8"] = "bf16"
     """``turbo_mega_moe_precision``: precision of the expert GEMMs; parameters stay bf16."""
     backend: str = "auto"
     force_load_balancing: Literal["even", "uniform"] | None = None
@@ -179,6 +179,8 @@ def decide_mega_moe(config, options: MegaMoEOptions) -> MegaMoEDecision:
     triton_kernels = on_gpu and torch.version.hip is None and options.backend in ("auto", "triton")
     if precision == "mxfp8":
         precision += " (Triton MXFP8 kernels)" if triton_kernels else " (exact emulation)"
+    elif precision == "fp8":  # no FP8 kernels yet
+        precision += " (exact emulation)"
     exchange = ""
     if ep > 1 and on_gpu:  # the Triton backends, bf16 and MXFP8, take the EP transport; the rest NCCL
         exchange = f", EP exchange={options.ep.transport_for('cuda') if triton_kernels else 'nccl'}"

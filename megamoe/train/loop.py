@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import megamoe
+from megamoe.backends import QUANTIZED
 from megamoe.train import checkpoint, data, distributed, metrics, model
 from megamoe.train.config import export_yaml
 from megamoe.train.evaluate import evaluate
@@ -88,10 +89,10 @@ def before_optimizer_step(switch: model.MoESwitch) -> None:
 
 
 def after_optimizer_step(switch: model.MoESwitch) -> None:
-    """Once per optimizer step: MegaMoE's mxfp8 experts cache their quantised weights per weight
-    generation (the optimizer updates weights in place without bumping ``Tensor._version``), so a
-    step starts a new generation. Recompute and warm-up forwards within a step reuse the cache."""
-    if switch.use_mega_moe and switch.options.precision == "mxfp8":
+    """Once per optimizer step: MegaMoE's quantised experts (mxfp8, fp8) cache their quantised weights
+    per weight generation (the optimizer updates weights in place without bumping ``Tensor._version``),
+    so a step starts a new generation. Recompute and warm-up forwards within a step reuse the cache."""
+    if switch.use_mega_moe and switch.options.precision in QUANTIZED:
         megamoe.advance_weight_generation()
 
 

@@ -301,7 +301,9 @@ class TurboConfig:
     enable_primus_turbo: bool = False
     use_turbo_mega_moe: bool = False
     """Replace megatron's MoELayer by the fused MegaMoE layer (needs enable_primus_turbo, TP=1)."""
-    turbo_mega_moe_precision: Literal["bf16", "mxfp8"] = "bf16"
+    turbo_mega_moe_precision: Literal["bf16", "mxfp8", "fp8"] = "bf16"
+    """The expert GEMMs' number format; parameters stay bf16. ``mxfp8``: OCP MX (docs/mxfp8.md);
+    ``fp8``: DeepSeek-V3's blockwise FP8 (docs/fp8.md)."""
     turbo_mega_moe_backend: Literal["auto", "reference", "triton", "primus_turbo"] = "auto"
     turbo_mega_moe_ep_transport: Literal["symm", "nccl"] | None = None
     """How tokens move at EP > 1 (Triton backends): ``symm`` fuses the exchange into the grouped GEMMs

@@ -1,5 +1,5 @@
 """The loop's per-step hooks into MegaMoE: the capacity check before the optimizer step (MegaMoE on
-only), one weight generation after it (mxfp8 only)."""
+only), one weight generation after it (quantised precisions only: mxfp8, fp8)."""
 
 from __future__ import annotations
 
@@ -49,9 +49,9 @@ def test_without_megamoe_the_capacity_is_not_read(overflowed_workspace) -> None:
 
 @pytest.mark.parametrize(
     ("use_mega_moe", "precision", "advances"),
-    [(True, "mxfp8", 1), (True, "bf16", 0), (False, "mxfp8", 0)],
+    [(True, "mxfp8", 1), (True, "fp8", 1), (True, "bf16", 0), (False, "mxfp8", 0), (False, "fp8", 0)],
 )
-def test_after_optimizer_step_advances_the_weight_generation_only_for_mxfp8_megamoe(
+def test_after_optimizer_step_advances_the_weight_generation_only_for_quantised_megamoe(
     use_mega_moe: bool, precision: str, advances: int
 ) -> None:
     options = MegaMoEOptions(enabled=use_mega_moe, precision=precision)

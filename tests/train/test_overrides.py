@@ -45,6 +45,7 @@ def _params(*argv: str) -> dict:
             "uniform",
         ),
         (["--lr_decay_style", "COSINE"], "lr_decay_style", "cosine"),
+        (["--turbo_mega_moe_precision", "fp8"], "turbo_mega_moe_precision", "fp8"),
         (["--tokenizer_type", "123"], "tokenizer_type", "123"),
         (["--moe_router_topk_scaling_factor", "2.5"], "moe_router_topk_scaling_factor", 2.5),
         (["--clip_grad", "-1"], "clip_grad", -1.0),
@@ -79,6 +80,10 @@ def test_override_identity_keys_set_the_experiment_folder() -> None:
         (["--lr", "fast"], r"^lr='fast': expected a number"),
         (["--lr", "null"], r"^lr=None: null is not allowed"),
         (["--lr_decay_style", "cosin"], r"^lr_decay_style='cosin': must be one of .* Use 'cosine'"),
+        (
+            ["--turbo_mega_moe_precision", "fp4"],
+            r"^turbo_mega_moe_precision='fp4': must be one of bf16, mxfp8, fp8",
+        ),
         (["--moe_layer_freq", "[0]*2+[2]"], r"^moe_layer_freq=.*only 0 \(dense\) and 1 \(MoE\)"),
         (["--moe_layer_freq", "__import__('os')"], r"^moe_layer_freq=.*not an int or a list expression"),
         (["num_layers", "4"], r"^override='num_layers': expected --key value"),

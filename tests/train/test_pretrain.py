@@ -106,12 +106,13 @@ def test_pretrain_pp2_with_two_virtual_stages_per_rank_loss_goes_down(tmp_path: 
     assert len(losses) == 6 and losses[-1] < losses[0], losses
 
 
-def test_megamoe_mxfp8_experts_train(tmp_path: Path) -> None:
-    proc = train(MOCK, tmp_path, "--turbo_mega_moe_precision", "mxfp8", "--train_iters", "6", "--progress_bar",
+@pytest.mark.parametrize("precision", ["mxfp8", "fp8"])
+def test_megamoe_quantised_experts_train(tmp_path: Path, precision: str) -> None:
+    proc = train(MOCK, tmp_path, "--turbo_mega_moe_precision", precision, "--train_iters", "6", "--progress_bar",
                  "false", "--disable_last_saving", "true")  # fmt: skip
     losses = runs.losses(tmp_path)
     assert len(losses) == 6 and losses[-1] < 0.85 * losses[0], losses
-    assert "precision=mxfp8" in proc.stderr
+    assert f"precision={precision}" in proc.stderr
 
 
 def test_dense_model_trains_with_tensor_parallelism(tmp_path: Path) -> None:

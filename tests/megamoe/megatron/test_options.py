@@ -53,7 +53,14 @@ def _decide_all(rank, world):
     supported = decide_mega_moe(moe_config(), on)
     off = decide_mega_moe(moe_config(), MegaMoEOptions(enabled=False))
     dense = decide_mega_moe(moe_config(num_moe_experts=None, moe_ffn_hidden_size=None), on)
-    return outcome, (supported.use, supported.reason), (off.use, off.reason), (dense.use, dense.reason)
+    fp8 = decide_mega_moe(moe_config(), MegaMoEOptions(enabled=True, precision="fp8"))
+    return (
+        outcome,
+        (supported.use, supported.reason),
+        (off.use, off.reason),
+        (dense.use, dense.reason),
+        (fp8.use, fp8.reason),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +80,11 @@ def test_decide_mega_moe_refuses_unsupported_setting_naming_it(setting, decision
 def test_decide_mega_moe_replaces_when_all_conditions_hold(decisions):
     use, reason = decisions[1]
     assert use and "TP=1" in reason and "EP=1" in reason and "float32 params" in reason
+
+
+def test_decide_mega_moe_names_the_fp8_emulation(decisions):
+    use, reason = decisions[4]
+    assert use and reason.endswith("precision=fp8 (exact emulation)")
 
 
 def test_decide_mega_moe_off_or_dense_keeps_megatron(decisions):
