@@ -19,6 +19,7 @@ import importlib.util
 import torch
 
 from megamoe.backends.base import ExpertBackend
+from megamoe.backends.hardware import warn_mxfp8_speed_once
 from megamoe.backends.reference import ReferenceBackend
 from megamoe.errors import InvalidConfigError, UnsupportedSettingError
 from megamoe.settings import EP_TRANSPORTS, EPSettings
@@ -147,6 +148,13 @@ def get_backend(
     key = (concrete, precision, transport, settings.symm if transport == "symm" else None)
     if key not in _CACHE:
         _CACHE[key] = _load(concrete, precision, transport, settings)
+        if (
+            precision == "mxfp8"
+            and concrete == "triton"
+            and device.type == "cuda"
+            and torch.version.hip is None
+        ):
+            warn_mxfp8_speed_once(torch.cuda.get_device_capability(device))
     return _CACHE[key]
 
 
