@@ -3,7 +3,7 @@
 The public surface is ``__all__`` below; everything else is internal.
 """
 
-from megamoe.backends.symm.workspace import check_capacity
+from megamoe.backends.symm.workspace import SymmWorkspace, allocate_workspace, check_capacity
 from megamoe.errors import InvalidConfigError, MegaMoEError, UnsupportedSettingError
 from megamoe.ops import MegaMoEHandle, dispatch_grouped_gemm, fused_mega_moe, grouped_gemm_combine
 from megamoe.quant import advance_weight_generation
@@ -22,8 +22,10 @@ __all__ = [
     "RouterConfig",
     "RouterOutput",
     "SymmSettings",
+    "SymmWorkspace",
     "UnsupportedSettingError",
     "advance_weight_generation",
+    "allocate_workspace",
     "check_capacity",
     "dispatch_grouped_gemm",
     "fused_mega_moe",

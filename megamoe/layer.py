@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from megamoe.backends import resolve_backend_name, transport_name
+from megamoe.backends.symm.workspace import allocate_workspace
 from megamoe.errors import InvalidConfigError
 from megamoe.ops import dispatch_grouped_gemm, grouped_gemm_combine
 from megamoe.router import MegaMoERouter, RouterConfig
@@ -98,6 +100,35 @@ class MegaMoEExperts(nn.Module):
         G, H, I = self.num_local_experts, hidden_size, ffn_hidden_size
         self.fc1 = MegaMoEWeightModule((G, 2 * I, H), dtype=dtype, device=device)
         self.fc2 = MegaMoEWeightModule((G, H, I), dtype=dtype, device=device)
+        self.workspace = None
+        """the symmetric-memory workspace this layer's ops use, once :meth:`allocate_workspace` made it."""
+
+    def uses_symmetric_memory(self) -> bool:
+        """Whether this layer's tokens move through a symmetric-memory workspace (EP > 1, ``symm``)."""
+        ep_size, _ = _ep_size_rank(self.ep_group)
+        weight = self.fc1_weight
+        concrete = resolve_backend_name(
+            self.backend, device=weight.device, dtype=weight.dtype, precision=self.precision
+        )
+        return (
+            transport_name(concrete, device=weight.device, ep_size=ep_size, settings=self.ep_settings)
+            == "symm"
+        )
+
+    def allocate_workspace(self, *, max_tokens: int, topk: int) -> None:
+        """Own the symmetric workspace for ``max_tokens`` tokens per rank (a collective over the EP
+        group; layers of one shape share one), instead of the ops allocating it at the first step."""
+        weight = self.fc1_weight
+        self.workspace = allocate_workspace(
+            self.ep_group,
+            max_tokens=max_tokens,
+            topk=topk,
+            num_experts=self.num_experts,
+            hidden=weight.shape[2],
+            dtype=weight.dtype,
+            device=weight.device,
+            settings=self.ep_settings.symm,
+        )
 
     @property
     def fc1_weight(self) -> nn.Parameter:

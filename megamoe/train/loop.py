@@ -195,6 +195,8 @@ def _build(cfg: PretrainConfig, plan: RunPlan) -> _Run:
     tokenizer = data.tokenizer_for(cfg)
     vocab_size = data.model_vocab_size(cfg, tokenizer)
     chunks = model.build_model_chunks(cfg, tconfig, switch, vocab_size)
+    if switch.use_mega_moe and model.allocate_symm_workspaces(cfg, chunks):
+        logger.info("MegaMoE symmetric workspace: %d tokens per rank", model.symm_max_tokens(cfg))
     p = cfg.parallel
     logger.info(
         "model: %d chunk(s), %s parameters on rank 0; TP=%d PP=%d VPP=%s EP=%d DP=%d, %d micro-batches/step",

@@ -257,6 +257,33 @@ def build_model_chunks(cfg: PretrainConfig, tconfig: Any, switch: MoESwitch, voc
     return chunks
 
 
+def symm_max_tokens(cfg: PretrainConfig) -> int:
+    """Tokens per rank the symmetric workspace holds: the EP settings' ``max_tokens``
+    (``turbo_mega_moe_symm_max_tokens``), else what one MoE layer sees per micro-batch (the sequence
+    split over CP, times the micro-batch; MegaMoE runs at TP = 1, so sequence parallelism splits nothing)."""
+    t = cfg.training
+    return (
+        ep_settings(cfg).symm.max_tokens
+        or t.seq_length // cfg.parallel.context_parallel_size * t.micro_batch_size
+    )
+
+
+def allocate_symm_workspaces(cfg: PretrainConfig, chunks: list[Any]) -> int:
+    """Give the MegaMoE layers whose tokens move through symmetric memory their workspace, sized from
+    the config (:func:`symm_max_tokens`) before the first step; layers of one shape share one.
+    Returns how many layers got one (a collective per EP group)."""
+    from megamoe.megatron.moe_block import MegaMoEBlock
+
+    max_tokens = symm_max_tokens(cfg)
+    blocks = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MegaMoEBlock)]
+    count = 0
+    for block in blocks:
+        if block.experts.uses_symmetric_memory():
+            block.experts.allocate_workspace(max_tokens=max_tokens, topk=cfg.moe.moe_router_topk)
+            count += 1
+    return count
+
+
 def wrap_ddp(cfg: PretrainConfig, tconfig: Any, chunks: list[Any]) -> list[Any]:
     """megatron DDP per chunk: contiguous grad buffers, bucketed (overlapped) reduce, distributed optimizer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

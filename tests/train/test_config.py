@@ -151,3 +151,12 @@ def test_ep_settings_come_from_the_config_keys_and_fall_back_to_the_environment(
     argv = ["--turbo_mega_moe_ep_transport", "symm", "--turbo_mega_moe_symm_max_tokens", "4096"]
     settings = ep_settings(resolve_config(CPU_MOCK, argv, environ={}).config)
     assert (settings.transport, settings.symm.max_tokens, settings.symm.dispatch) == ("symm", 4096, "pull")
+
+
+def test_the_symmetric_workspace_is_sized_from_the_batch_unless_a_key_sizes_it() -> None:
+    from megamoe.train.model import symm_max_tokens
+
+    argv = ["--seq_length", "96", "--micro_batch_size", "3"]
+    assert symm_max_tokens(resolve_config(CPU_MOCK, argv, environ={}).config) == 288
+    argv += ["--turbo_mega_moe_symm_max_tokens", "1000"]
+    assert symm_max_tokens(resolve_config(CPU_MOCK, argv, environ={}).config) == 1000

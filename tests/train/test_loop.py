@@ -29,7 +29,7 @@ def overflowed_workspace(monkeypatch):
     ws = layout.workspace(
         SimpleNamespace(group_name="ep"), key, 0, buffer, 0, (), SymmSettings(capacity_factor=1.0)
     )
-    monkeypatch.setattr(wsm, "_WORKSPACES", {key: ws})
+    monkeypatch.setattr(wsm, "_LIVE", {key: ws})
     ws.note_received(torch.tensor([20], dtype=torch.int32))
     return ws
 

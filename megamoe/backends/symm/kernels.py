@@ -33,6 +33,8 @@ scheduled first and no waiting program can starve them)::
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -40,6 +42,59 @@ from megamoe.backends.symm.comm import pull_rows, push_rows
 from megamoe.backends.symm.gemm_tile import gemm_tile
 from megamoe.backends.symm.workspace import STATE_DONE, STATE_TILE
 from megamoe.backends.triton.peers import peer_ptr
+
+
+class SendTables(NamedTuple):
+    """The comm role's inputs: this rank's rows and where each goes (push), or the segments of its
+    peers' staged rows it copies (pull). Tensors, or None where a launch has no comm role."""
+
+    src: Any
+    """``[T, H]`` rows (x or dy); also the GEMM's own rows with ``LOCAL_A`` / ``BCAST_A``"""
+    send_token: Any
+    send_slot: Any
+    send_weight: Any
+    send_start: Any
+    send_dest_row: Any
+    seg_start: Any
+    seg_len: Any
+    seg_pos: Any
+
+
+class GemmOperands(NamedTuple):
+    """The GEMM role's operands and tile table (None where the launch's flags read nothing)."""
+
+    a: Any
+    b_desc: Any
+    """TMA descriptor of the expert weights"""
+    c: Any
+    row_scale: Any
+    scalar: Any
+    row_src: Any
+    row_pos: Any
+    tiles: Any
+    num_tiles: Any
+    num_local_tiles: Any
+
+
+class WorkspaceViews(NamedTuple):
+    """The workspace's regions this rank reads and writes (see :mod:`.workspace`), and its peer table."""
+
+    ptrs_dev: Any
+    """device address of every rank's buffer base (int64)"""
+    state: Any
+    pool_ready: Any
+    pool: Any
+    pool_weight: Any
+    combine: Any
+    combine_scalar: Any
+    combine_ready: Any
+    stage_x: Any
+    stage_token: Any
+    stage_weight: Any
+    task_done: Any
+    bcast_x: Any
+    bcast_token: Any
+
 
 # jit code reads module globals only as constexprs
 _TILE = tl.constexpr(STATE_TILE)
@@ -86,47 +141,13 @@ def _now(x, IN_PTX: tl.constexpr):
     ]
 )
 def fused_kernel(
-    # comm role
-    src_ptr,
-    send_token_ptr,
-    send_slot_ptr,
-    send_weight_ptr,
-    send_start_ptr,
-    send_dest_row_ptr,
-    seg_start_ptr,
-    seg_len_ptr,
-    seg_pos_ptr,
-    # GEMM role
-    a_ptr,
-    b_desc,
-    c_ptr,
-    row_scale_ptr,
-    scalar_ptr,
-    row_src_ptr,
-    row_pos_ptr,
-    tiles_ptr,
-    num_tiles_ptr,
-    num_local_tiles_ptr,
-    # workspace
-    ptrs_dev,
-    state_ptr,
-    pool_ready_ptr,
+    send,
+    gemm,
+    views,
     rank,
     world,
     G,
     pool_rows,
-    pool_ptr,
-    pool_w_ptr,
-    comb_ptr,
-    comb_scalar_ptr,
-    comb_ready_ptr,
-    stage_x_ptr,
-    stage_tok_ptr,
-    stage_w_ptr,
-    task_done_ptr,
-    bcast_x_ptr,
-    bcast_tok_ptr,
-    # sizes
     H,
     stage_rows,
     stage_slots,
@@ -161,6 +182,20 @@ def fused_kernel(
     trace_ptr,
     VARIANT: tl.constexpr,
 ):
+    """``send``: :class:`SendTables`, ``gemm``: :class:`GemmOperands`, ``views``: :class:`WorkspaceViews`
+    (None where a launch has no such table); the integers after them are the sizes."""
+    (
+        src_ptr, send_token_ptr, send_slot_ptr, send_weight_ptr, send_start_ptr, send_dest_row_ptr,
+        seg_start_ptr, seg_len_ptr, seg_pos_ptr,
+    ) = send  # fmt: skip
+    (
+        a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr, row_pos_ptr, tiles_ptr, num_tiles_ptr,
+        num_local_tiles_ptr,
+    ) = gemm  # fmt: skip
+    (
+        ptrs_dev, state_ptr, pool_ready_ptr, pool_ptr, pool_w_ptr, comb_ptr, comb_scalar_ptr, comb_ready_ptr,
+        stage_x_ptr, stage_tok_ptr, stage_w_ptr, task_done_ptr, bcast_x_ptr, bcast_tok_ptr,
+    ) = views  # fmt: skip
     pid = tl.program_id(0)
     if VARIANT == _TRACED:
         _trace(trace_ptr, pid, 0, _now(pid, IN_PTX))

@@ -37,7 +37,8 @@ from __future__ import annotations
 import math
 import os
 import uuid
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -69,9 +70,13 @@ class WorkspaceKey:
     dtype: torch.dtype
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class SymmWorkspace:
-    """The symmetric buffer of one EP group plus this rank's local state (epoch, counters, errors)."""
+    """The symmetric buffer of one EP group plus this rank's local state (epoch, counters, errors).
+
+    Owned by whoever allocated it (:func:`allocate_workspace`: the layers that use it, or the caller
+    of the ops); the ops find it by its key while it lives, and its memory goes with its last owner.
+    """
 
     group: dist.ProcessGroup
     key: WorkspaceKey
@@ -263,16 +268,26 @@ class BufferLayout:
 def check_capacity() -> None:
     """Raise :class:`SymmCapacityError` if any MegaMoE op since the last call routed more rows to this
     rank than its symmetric workspace holds (see the module docstring). A host sync; no-op without one."""
-    for ws in _WORKSPACES.values():
+    for ws in list(_LIVE.values()):
         ws.check_capacity()
 
 
-_WORKSPACES: dict[WorkspaceKey, SymmWorkspace] = {}
+_LIVE: weakref.WeakValueDictionary[WorkspaceKey, SymmWorkspace] = weakref.WeakValueDictionary()
+"""Every workspace alive in this process, by key: how the ops find their caller's workspace (they take
+only the key, so torch.compile can trace them). Holds no reference: owners do."""
+_ALLOCATED_BY_OPS: dict[WorkspaceKey, SymmWorkspace] = {}
+"""Workspaces the ops allocated because no caller had one for their group and shape (kept for the
+process's life, as scripts that call the ops directly expect)."""
 
 
 def find_workspace(key: WorkspaceKey) -> SymmWorkspace | None:
-    """The workspace of ``key`` if one was allocated (no collective)."""
-    return _WORKSPACES.get(key)
+    """The live workspace of ``key``, if any (no collective)."""
+    return _LIVE.get(key)
+
+
+def live_workspaces() -> list[SymmWorkspace]:
+    """Every workspace alive in this process."""
+    return list(_LIVE.values())
 
 
 def pool_rows(key: WorkspaceKey, world: int, settings: SymmSettings) -> int:
@@ -288,9 +303,49 @@ def pool_rows(key: WorkspaceKey, world: int, settings: SymmSettings) -> int:
             None,
             "torch.compile traces the EP path before its symmetric workspace exists, and the workspace's "
             "size (the largest token count over the group) is only agreed at its first eager use",
-            "Set it (tokens per rank) on every rank, or run one step eagerly first",
+            "Set it (tokens per rank) on every rank, allocate the workspace first "
+            "(megamoe.allocate_workspace, or train pretrain, which sizes it from the config), "
+            "or run one step eagerly",
         )
     return BufferLayout.build(key, world, settings.max_tokens, settings.capacity_factor).pool_rows
+
+
+def allocate_workspace(
+    group: dist.ProcessGroup,
+    *,
+    max_tokens: int,
+    topk: int,
+    num_experts: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    settings: SymmSettings | None = None,
+) -> SymmWorkspace:
+    """The workspace for ``group`` and this shape, sized for ``max_tokens`` tokens per rank (a
+    collective: every EP rank calls it with the same arguments).
+
+    The caller owns the result; the ops on this group and shape use it while it lives. A live
+    workspace that holds ``max_tokens`` is returned as is, so the layers of a model share one;
+    ``settings`` (default :class:`SymmSettings`, with ``max_tokens`` replaced) configure a new one.
+    """
+    if max_tokens < 1:
+        raise InvalidConfigError("max_tokens", max_tokens, "must be at least 1 token per rank")
+    key = WorkspaceKey(group.group_name, topk, num_experts, hidden, dtype)
+    ws = _LIVE.get(key)
+    if ws is not None:
+        if ws.max_tokens < max_tokens:
+            raise SymmCapacityError(
+                "max_tokens",
+                max_tokens,
+                f"a live workspace of this group and shape holds {ws.max_tokens} tokens per rank, and "
+                "one group and shape has one workspace",
+                "Allocate the larger one first, or drop every reference to the smaller one",
+            )
+        return ws
+    settings = SymmSettings() if settings is None else settings
+    ws = _allocate(group, key, max_tokens, device, replace(settings, max_tokens=max_tokens))
+    _LIVE[key] = ws
+    return ws
 
 
 def get_workspace(
@@ -304,24 +359,23 @@ def get_workspace(
     device: torch.device,
     settings: SymmSettings,
 ) -> SymmWorkspace:
-    """The group's workspace, allocated on first use (a collective: every EP rank must call it).
-
-    The size bound is agreed once: ``settings.max_tokens`` if set, else the largest ``num_tokens``
-    over the group at the first call. A later call with more tokens raises on that rank. The first
-    call's ``settings`` stay with the workspace.
+    """The ops' workspace: the live one of this group and shape, else one allocated now and kept (a
+    collective: every EP rank must call it), sized by ``settings.max_tokens`` if set, else by the
+    largest ``num_tokens`` over the group. A call with more tokens than it holds raises on that rank.
     """
     key = WorkspaceKey(group.group_name, topk, num_experts, hidden, dtype)
-    ws = _WORKSPACES.get(key)
+    ws = _LIVE.get(key)
     if ws is None:
         ws = _allocate(group, key, num_tokens, device, settings)
-        _WORKSPACES[key] = ws
+        _LIVE[key] = _ALLOCATED_BY_OPS[key] = ws
     if num_tokens > ws.max_tokens:
         raise SymmCapacityError(
             "tokens on this EP rank",
             num_tokens,
-            f"the symmetric workspace holds {ws.max_tokens} tokens per rank (the largest count over the "
-            "group at its first use); rows are never dropped, so the op refuses",
-            f"Set MEGAMOE_SYMM_MAX_TOKENS>={num_tokens} (symm.max_tokens) on every rank",
+            f"the symmetric workspace holds {ws.max_tokens} tokens per rank; rows are never dropped, "
+            "so the op refuses",
+            f"Set MEGAMOE_SYMM_MAX_TOKENS>={num_tokens} (symm.max_tokens, turbo_mega_moe_symm_max_tokens) "
+            "on every rank, or allocate the workspace for that many",
         )
     return ws
 

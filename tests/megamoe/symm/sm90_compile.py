@@ -15,7 +15,7 @@ import json
 import sys
 
 from megamoe.backends.symm.comm import gather_broadcast_rows_kernel, pool_tokens_kernel, pool_weights_kernel
-from megamoe.backends.symm.kernels import fused_kernel
+from megamoe.backends.symm.kernels import GemmOperands, SendTables, WorkspaceViews, fused_kernel
 from megamoe.backends.symm.launch import FUSED_LAUNCHES, VARIANTS, LaunchFlags
 from megamoe.backends.symm.layout import _layout_kernel
 from megamoe.backends.symm.signals import barrier_kernel
@@ -26,15 +26,18 @@ from megamoe.backends.triton.side_gather import GEMM_REGISTER_CAP
 from megamoe.backends.triton.side_gather import NUM_WARPS as GATHER_WARPS
 from tests.megamoe.triton.sm90_compile import CUDA, H, I, report
 
-_POINTERS = dict(
-    src_ptr="*bf16", send_token_ptr="*i32", send_slot_ptr="*i32", send_weight_ptr="*fp32",
-    send_start_ptr="*i32", send_dest_row_ptr="*i32", seg_start_ptr="*i32", seg_len_ptr="*i32",
-    seg_pos_ptr="*i32", a_ptr="*bf16", c_ptr="*bf16", row_scale_ptr="*fp32", scalar_ptr="*fp32",
-    row_src_ptr="*i32", row_pos_ptr="*i32", tiles_ptr="*i32", num_tiles_ptr="*i32",
-    num_local_tiles_ptr="*i32", ptrs_dev="i64",
-    state_ptr="*i32", pool_ready_ptr="*i32", pool_ptr="*bf16", pool_w_ptr="*fp32", comb_ptr="*bf16",
-    comb_scalar_ptr="*fp32", comb_ready_ptr="*i32", stage_x_ptr="*bf16", stage_tok_ptr="*i32",
-    stage_w_ptr="*fp32", task_done_ptr="*i32", trace_ptr="*i64", bcast_x_ptr="*bf16", bcast_tok_ptr="*i32",
+_SEND = SendTables(
+    src="*bf16", send_token="*i32", send_slot="*i32", send_weight="*fp32", send_start="*i32",
+    send_dest_row="*i32", seg_start="*i32", seg_len="*i32", seg_pos="*i32",
+)  # fmt: skip
+_GEMM = GemmOperands(
+    a="*bf16", b_desc=None, c="*bf16", row_scale="*fp32", scalar="*fp32", row_src="*i32", row_pos="*i32",
+    tiles="*i32", num_tiles="*i32", num_local_tiles="*i32",
+)  # fmt: skip
+_VIEWS = WorkspaceViews(
+    ptrs_dev="i64", state="*i32", pool_ready="*i32", pool="*bf16", pool_weight="*fp32", combine="*bf16",
+    combine_scalar="*fp32", combine_ready="*i32", stage_x="*bf16", stage_token="*i32",
+    stage_weight="*fp32", task_done="*i32", bcast_x="*bf16", bcast_token="*i32",
 )  # fmt: skip
 _UNSPECIALISED = ("rank", "world", "G", "pool_rows", "stage_rows", "stage_slots", "num_programs")
 _UNSPECIALISED += ("num_comm", "tail_pct", "max_spins")
@@ -42,29 +45,29 @@ _SHAPES = {"gemm1": (2 * I, H), "gemm2": (H, I), "dgrad1": (H, 2 * I), "dgrad2":
 """(N, K) of each op at DeepSeek-V3's per-rank shape"""
 
 
-def _absent(flags: LaunchFlags, variant: str) -> tuple[str, ...]:
-    """The pointers ``launch.fused_gemm`` passes as None for ``flags``."""
+def _absent(flags: LaunchFlags) -> dict[str, tuple[str, ...]]:
+    """The fields of each argument table that ``launch.fused_gemm`` passes as None for ``flags``."""
     rows_by_source = flags.OUT_REMOTE or flags.LOCAL_A
-    absent = {
-        "src_ptr": not (flags.COMM or flags.BCAST_A),
-        "send_token_ptr": not (flags.COMM or flags.BCAST_A),
-        **dict.fromkeys(
-            ("send_start_ptr", "send_dest_row_ptr", "seg_start_ptr", "seg_len_ptr", "seg_pos_ptr"),
-            not flags.COMM,
-        ),
-        "send_slot_ptr": not flags.PUSH_WEIGHT,
-        "send_weight_ptr": not flags.PUSH_WEIGHT,
-        "c_ptr": flags.OUT_REMOTE,
-        "row_scale_ptr": not flags.ROW_SCALE,
-        "scalar_ptr": not flags.PUSH_SCALAR,
-        "row_src_ptr": not rows_by_source,
-        "row_pos_ptr": not rows_by_source,
-        "num_local_tiles_ptr": not (flags.LOCAL_A or flags.SPREAD),
-        "bcast_x_ptr": not flags.BCAST_A,
-        "bcast_tok_ptr": not flags.BCAST_A,
-        "trace_ptr": variant != "traced",
+    send = {
+        "src": not (flags.COMM or flags.BCAST_A),
+        "send_token": not (flags.COMM or flags.BCAST_A),
+        **dict.fromkeys(("send_start", "send_dest_row", "seg_start", "seg_len", "seg_pos"), not flags.COMM),
+        "send_slot": not flags.PUSH_WEIGHT,
+        "send_weight": not flags.PUSH_WEIGHT,
     }
-    return tuple(name for name, none in absent.items() if none)
+    gemm = {
+        "c": flags.OUT_REMOTE,
+        "row_scale": not flags.ROW_SCALE,
+        "scalar": not flags.PUSH_SCALAR,
+        "row_src": not rows_by_source,
+        "row_pos": not rows_by_source,
+        "num_local_tiles": not (flags.LOCAL_A or flags.SPREAD),
+    }
+    views = {"bcast_x": not flags.BCAST_A, "bcast_token": not flags.BCAST_A}
+    return {
+        table: tuple(name for name, none in fields.items() if none)
+        for table, fields in (("send", send), ("gemm", gemm), ("views", views))
+    }
 
 
 def _launch(
@@ -79,9 +82,13 @@ def _launch(
     meta |= {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
     meta |= {"COPY_ROWS": 32, "COPY_COLS": 512}
     box = [1, cfg.block_k, cfg.block_n] if flags.B_KN else [1, cfg.block_n, cfg.block_k]
-    args = dict(_POINTERS) | {n: "i32" for n in _UNSPECIALISED} | meta
-    args |= {"b_desc": f"tensordesc<bf16[{','.join(map(str, box))}]>", "H": H, "N": N, "K": K}
-    args |= {"stride_a": K, "stride_c": N, **{n: None for n in _absent(flags, variant)}}
+    none = _absent(flags)
+    b_desc = f"tensordesc<bf16[{','.join(map(str, box))}]>"
+    args = {n: "i32" for n in _UNSPECIALISED} | meta | {"H": H, "N": N, "K": K, "stride_a": K, "stride_c": N}
+    args["send"] = _SEND._replace(**dict.fromkeys(none["send"]))
+    args["gemm"] = _GEMM._replace(b_desc=b_desc, **dict.fromkeys(none["gemm"]))
+    args["views"] = _VIEWS._replace(**dict.fromkeys(none["views"]))
+    args["trace_ptr"] = "*i64" if variant == "traced" else None
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return fused_kernel, args, options | ({"maxnreg": maxnreg} if maxnreg else {})
 

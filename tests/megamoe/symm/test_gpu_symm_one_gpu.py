@@ -113,14 +113,13 @@ def _ranks_on_one_gpu(
         key = key_of(group.group_name)
         ws = layout.workspace(group, key, rank, buffers[rank], table.data_ptr(), (buffers, table), settings)
         ws.programs = sms // world - 2
-        wsm._WORKSPACES[key] = ws
+        group.workspace = wsm._LIVE[key] = ws  # the group owns it; the ops find it by key
         groups.append(group)
     return groups
 
 
 def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...]) -> list[str]:
     """``len(tokens)`` ranks on one GPU, ``layers`` layers forward then backward, new routing each."""
-    from megamoe.backends.symm import workspace as wsm
     from megamoe.backends.symm.backend import SymmBackend
     from megamoe.backends.symm.layout import build_layout
     from megamoe.backends.triton.configs import block_m
@@ -169,9 +168,7 @@ def _emulated_ranks(rank: int, world: int, layers: int, tokens: tuple[int, ...])
             with torch.cuda.stream(group.stream):
                 grads.append((y, *torch.autograd.grad(y, leaves, dy)))
         torch.cuda.synchronize()
-        states = [
-            wsm._WORKSPACES[wsm.WorkspaceKey(g.group_name, K, E, H, torch.bfloat16)].state for g in groups
-        ]
+        states = [g.workspace.state for g in groups]
         if any(int(st[3]) for st in states):
             head = f"layer {layer}: a wait gave up; per rank (epoch, tile, done, error, rank, counter, index, seen, expected):"
             return [head] + [str(st[:9].tolist()) for st in states]

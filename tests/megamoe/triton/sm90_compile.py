@@ -71,6 +71,21 @@ def _argument(value):
     raise TypeError(f"unsupported argument {value!r}")
 
 
+def _signature(value, path: tuple[int, ...], constexprs: dict, attrs: dict):
+    """The signature entry of the argument at ``path`` (a tuple argument's element by element, a
+    named tuple's as its own type), recording its constant or its divisibility."""
+    if isinstance(value, tuple):
+        types = [_signature(v, (*path, j), constexprs, attrs) for j, v in enumerate(value)]
+        return type(value)(*types) if hasattr(value, "_fields") else tuple(types)
+    arg = _argument(value)
+    if arg is None:
+        constexprs[path] = value
+        return "constexpr"
+    if arg[1]:
+        attrs[path] = [["tt.divisibility", 16]]
+    return arg[0]
+
+
 def config_constexprs(kernel, config: TileConfig) -> dict:
     """The tile's kernel constexprs: ``config.launch_kwargs()`` less the launch options, each of which
     must be a parameter of ``kernel``."""
@@ -90,14 +105,11 @@ def compile_kernel(kernel, args: dict, *, num_warps: int = 4, num_stages: int = 
         return {"compiled": False, "error": f"arguments do not match: missing {missing}, unknown {extra}"}
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(names, kernel.params, strict=True)):
-        arg = None if param.is_constexpr else _argument(args[name])
-        if arg is None:
+        if param.is_constexpr:
             signature[name] = "constexpr"
-            constexprs[name] = args[name]
+            constexprs[(i,)] = args[name]
         else:
-            signature[name] = arg[0]
-            if arg[1]:
-                attrs[(i,)] = [["tt.divisibility", 16]]
+            signature[name] = _signature(args[name], (i,), constexprs, attrs)
     source = GluonASTSource if kernel.is_gluon() else ASTSource
     try:
         compiled = triton.compile(

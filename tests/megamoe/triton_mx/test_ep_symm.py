@@ -29,7 +29,7 @@ def _rank(rank: int, world: int, tokens: list[list[int]], dispatch: str) -> list
     import torch.distributed as dist
 
     from megamoe import fused_mega_moe
-    from megamoe.backends.symm.workspace import _WORKSPACES
+    from megamoe.backends.symm.workspace import live_workspaces
     from tests.megamoe.triton.interpreter_compat import install
 
     install()
@@ -55,7 +55,7 @@ def _rank(rank: int, world: int, tokens: list[list[int]], dispatch: str) -> list
             grads = torch.autograd.grad(y, leaves, dy)
             got[backend] = dict(zip(GRADS, (y.detach(), *grads), strict=True))
         out.append(got)
-    (ws,) = _WORKSPACES.values()
+    (ws,) = live_workspaces()
     assert int(ws.state[0]) == 4 * len(tokens)  # the symm transport ran: one epoch per step
     return out
 
