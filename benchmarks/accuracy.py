@@ -1,10 +1,10 @@
-"""Accuracy of the MXFP8 expert path: SNR and cosine of y, dx, dW1, dW2 against bf16 and float64.
+"""Accuracy of a quantised expert path: SNR and cosine of y, dx, dW1, dW2 against bf16 and float64.
 
 One random problem (Gaussian tokens and output gradient, weights scaled by 1/sqrt(fan-in), random
 top-k routing with softmax weights) runs three ways through :func:`megamoe.fused_mega_moe`: float64
-(the truth), bf16 (``precision="bf16"``) and bf16 with ``precision="mxfp8"``. The figures in
-``docs/mxfp8.md`` come from ``python -m benchmarks.accuracy``; on a GPU, ``--device cuda
---backend triton`` measures a kernel backend the same way.
+(the truth), bf16 (``precision="bf16"``) and bf16 with ``precision="mxfp8"`` (or ``--precision fp8``).
+The figures in ``docs/mxfp8.md`` and ``docs/fp8.md`` come from ``python -m benchmarks.accuracy``; on a
+GPU, ``--device cuda --backend triton`` measures a kernel backend the same way.
 """
 
 from __future__ import annotations
@@ -70,17 +70,18 @@ def _run(inputs: dict[str, Tensor], dtype: torch.dtype, *, backend: str, precisi
 
 
 def measure(
-    problem: Problem, *, device: str = "cpu", backend: str = "reference"
+    problem: Problem, *, device: str = "cpu", backend: str = "reference", precision: str = "mxfp8"
 ) -> dict[str, dict[str, float]]:
-    """``{comparison: {"<output> snr_db" | "<output> cos": value}}`` for bf16 and mxfp8 vs float64, mxfp8 vs bf16."""
+    """``{comparison: {"<output> snr_db" | "<output> cos": value}}`` for bf16 and ``precision`` vs
+    float64, ``precision`` vs bf16."""
     inputs = _inputs(problem, torch.device(device))
     truth = _run(inputs, torch.float64, backend="reference", precision="bf16")
     bf16 = _run(inputs, torch.bfloat16, backend=backend, precision="bf16")
-    mxfp8 = _run(inputs, torch.bfloat16, backend=backend, precision="mxfp8")
+    quantised = _run(inputs, torch.bfloat16, backend=backend, precision=precision)
     pairs = {
         "bf16 vs float64": (bf16, truth),
-        "mxfp8 vs float64": (mxfp8, truth),
-        "mxfp8 vs bf16": (mxfp8, bf16),
+        f"{precision} vs float64": (quantised, truth),
+        f"{precision} vs bf16": (quantised, bf16),
     }
     report = {}
     for label, (got, ref) in pairs.items():
@@ -113,7 +114,16 @@ def format_report(problem: Problem, report: dict[str, dict[str, float]]) -> str:
 @click.option("--topk", default=4, show_default=True, help="experts per token K")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="torch device, e.g. cuda")
-@click.option("--backend", default="reference", show_default=True, help="backend measured for bf16 and mxfp8")
+@click.option(
+    "--backend", default="reference", show_default=True, help="backend measured for bf16 and the precision"
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["mxfp8", "fp8"]),
+    default="mxfp8",
+    show_default=True,
+    help="quantised precision measured",
+)
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a Markdown table")
 @click.option("--dry-run", is_flag=True, help="print the problem and exit without computing")
 def main(
@@ -125,10 +135,11 @@ def main(
     seed: int,
     device: str,
     backend: str,
+    precision: str,
     as_json: bool,
     dry_run: bool,
 ) -> None:
-    """Measure the MXFP8 expert path's accuracy (forward and backward) against bf16 and float64."""
+    """Measure a quantised expert path's accuracy (forward and backward) against bf16 and float64."""
     if topk > experts:
         raise click.BadParameter(
             f"{topk} exceeds --experts {experts}; set --topk <= {experts}", param_hint="--topk"
@@ -136,10 +147,13 @@ def main(
     problem = Problem(tokens=tokens, hidden=hidden, inter=inter, experts=experts, topk=topk, seed=seed)
     if dry_run:
         click.echo(
-            json.dumps({"problem": asdict(problem), "device": device, "backend": backend}, sort_keys=True)
+            json.dumps(
+                {"problem": asdict(problem), "device": device, "backend": backend, "precision": precision},
+                sort_keys=True,
+            )
         )
         return
-    report = measure(problem, device=device, backend=backend)
+    report = measure(problem, device=device, backend=backend, precision=precision)
     if as_json:
         click.echo(json.dumps({"problem": asdict(problem), "report": report}, sort_keys=True))
     else:

@@ -31,6 +31,15 @@ def test_accuracy_cli_reports_mxfp8_between_20_and_30_db():
         assert report["mxfp8 vs bf16"][f"{name} cos"] > 0.99
 
 
+def test_accuracy_cli_reports_fp8_between_20_and_30_db():
+    result = CliRunner().invoke(main, [*TINY, "--hidden", "256", "--precision", "fp8", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)["report"]
+    assert set(report) == {"bf16 vs float64", "fp8 vs float64", "fp8 vs bf16"}
+    for name in ("y", "dx", "dw1", "dw2"):
+        assert 20 < report["fp8 vs float64"][f"{name} snr_db"] < 30
+
+
 def test_accuracy_cli_markdown_table():
     result = CliRunner().invoke(main, TINY)
     assert result.exit_code == 0, result.output
@@ -43,6 +52,7 @@ def test_accuracy_cli_dry_run_computes_nothing():
     assert json.loads(result.output) == {
         "backend": "reference",
         "device": "cuda",
+        "precision": "mxfp8",
         "problem": {"experts": 4, "hidden": 64, "inter": 32, "seed": 0, "tokens": 64, "topk": 2},
     }
 
