@@ -2,7 +2,8 @@
 their kernels.
 
 Every expert GEMM quantises both operands as its precision's :class:`~megamoe.quant.recipes.QuantRecipe`
-says, dequantises them exactly, and multiplies in float32 (float64 for float64 inputs). Parameters,
+says, dequantises them (exactly; FP8's ``e4m3 * s`` rounds once in float32, below ``2**-24``
+relative, and is exact in float64), and multiplies in float32 (float64 for float64 inputs). Parameters,
 activations handed between the stages (``h``, ``dh``) and gradients stay in the inputs' dtype; routing
 weights, SwiGLU and the top-k sums are computed in float32, as in the bf16 reference
 (:mod:`megamoe.backends.reference`). Runs on CPU and GPU, EP over any process group through
@@ -91,8 +92,8 @@ def _per_expert_wgrad(left_RY: Tensor, right_RX: Tensor, counts: list[int]) -> T
 
 
 class QuantizedReferenceBackend(StagedBackend):
-    """Per-expert float32 matmuls on exactly dequantised operands (quantised as ``recipe`` says),
-    around an ``all_to_all`` exchange."""
+    """Per-expert float32 matmuls on dequantised operands (quantised as ``recipe`` says), around an
+    ``all_to_all`` exchange."""
 
     def __init__(self, recipe: QuantRecipe, weight_cache: WeightCache | None = None) -> None:
         self.recipe = recipe
