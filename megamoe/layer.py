@@ -191,7 +191,7 @@ class MegaMoEConfig:
     precision: str = "bf16"
     ep_settings: EPSettings | None = None
     """how tokens move at EP > 1; None: :meth:`EPSettings.from_env` when the layer is built."""
-    """number format of the expert GEMMs: ``bf16`` or ``mxfp8`` (parameters keep ``dtype``)."""
+    """number format of the expert GEMMs: ``bf16``, ``mxfp8`` or ``fp8`` (parameters keep ``dtype``)."""
     dtype: torch.dtype = torch.float32
     seed: int = 0
 

@@ -278,8 +278,9 @@ def fused_mega_moe(
     ``w1 [G, 2I, H]`` (gate rows then up rows), ``w2 [G, H, I]``; global expert ``e`` lives on EP rank
     ``e // G`` of ``group`` (None = one rank). Differentiable in ``x``, ``topk_weights``, ``w1``, ``w2``.
     ``precision`` is the expert GEMMs' number format: ``"bf16"`` computes in the inputs' dtype,
-    ``"mxfp8"`` in MX blocks (E4M3 data, one E8M0 scale per 32; see :mod:`megamoe.quant`) while
-    the parameters stay in their dtype. The handle carries it to :func:`grouped_gemm_combine`.
+    ``"mxfp8"`` in MX blocks (E4M3 data, one E8M0 scale per 32; :mod:`megamoe.quant.mx`), ``"fp8"``
+    in DeepSeek-V3's blockwise FP8 (E4M3, float32 scales per 1x128 tile and 128x128 weight block;
+    :mod:`megamoe.quant.fp8`), while the parameters stay in their dtype. The handle carries it to :func:`grouped_gemm_combine`.
     ``settings``: how tokens move at EP > 1 (:class:`~megamoe.settings.EPSettings`; default
     :meth:`~megamoe.settings.EPSettings.from_env`, the ``MEGAMOE_EP_TRANSPORT``/``MEGAMOE_SYMM_*`` variables).
     """

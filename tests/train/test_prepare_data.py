@@ -97,6 +97,7 @@ def test_a_failed_run_leaves_the_previous_output_untouched(demo_data: Path, tmp_
     assert {p.name: p.read_bytes() for p in tmp_path.glob("out_*")} == before
 
 
+@pytest.mark.slow
 def test_a_killed_run_leaves_no_pair_that_looks_valid(demo_data: Path, tmp_path: Path) -> None:
     big = tmp_path / "big.jsonl"
     text = (demo_data / "corpus.jsonl").read_text()

@@ -77,7 +77,7 @@ class _Grads:
         self.linear_fc2 = type("W", (), {"weight": expert.linear_fc2.weight.grad})
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["EP=1", "EP=2"])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["EP=1", "EP=2"])
 @pytest.mark.parametrize("case", MODEL_CASES.values(), ids=MODEL_CASES.keys())
 def test_gpt_with_mega_moe_matches_megatron_moe_layer(case, world, tmp_path):
     results = run_ranks(_parity, world, tmp_path, case)

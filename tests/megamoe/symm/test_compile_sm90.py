@@ -10,10 +10,13 @@ tests) replaces the kernels with interpreted ones.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.megamoe.sm90 import assert_compiles_for_sm90, assert_fits_beside
 from tests.megamoe.symm.sm90_compile import BESIDE_GATHER, GATHER, PIPELINED
 
 
+@pytest.mark.slow
 def test_every_launch_compiles_for_sm90_without_spills_and_pipelined() -> None:
     report = assert_compiles_for_sm90("tests.megamoe.symm.sm90_compile", pipelined=tuple(PIPELINED))
     # broadcast mode's backward pool gather must fit on an SM beside the persistent dgrad program

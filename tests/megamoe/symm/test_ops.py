@@ -114,6 +114,7 @@ def _compiled_rank(rank: int, world: int) -> dict[str, bool]:
     return {name: torch.equal(eager, got) for name, eager, got in zip(GRADS, *outs, strict=True)}
 
 
+@pytest.mark.slow
 def test_the_layer_compiles_as_one_graph_with_eager_bits(tmp_path) -> None:
     for rank, report in enumerate(run_ranks(_compiled_rank, 2, tmp_path, timeout=600)):
         assert all(report.values()), f"rank {rank}: compiled differs from eager: {report}"
