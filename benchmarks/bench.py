@@ -1,7 +1,8 @@
 """Benchmark of the expert path on one GPU: MegaMoE's Triton backend against the torchtitan-style pipeline.
 
     python -m benchmarks.bench --mode dispatch_grouped_gemm|grouped_gemm_combine|layer \\
-        --models DeepSeek-V3,Qwen3-30B-A3B,Qwen3-235B-A22B [--routing uniform,skewed] [--fwd-only]
+        --models DeepSeek-V3,Qwen3-30B-A3B,Qwen3-235B-A22B [--routing uniform,skewed] [--fwd-only] \\
+        [--baseline torch,sonic]
 
 Each model runs the per-rank work of EP8 on one GPU (its local experts, all tokens of the rank, so
 R = T*K rows). In the same process it times the baseline — argsort by expert, gather, the first
@@ -17,20 +18,28 @@ the stage modes time one stage alone, split where ours splits, for both: stage 1
 ``dispatch_grouped_gemm`` also times GEMM1 alone as two pairs on the same rows: our kernel without
 an epilogue against a bare ``torch._grouped_mm``, and with its SwiGLU epilogue against
 ``torch._grouped_mm`` + eager SwiGLU.
+
+``--mode layer`` can time more peers in the same rounds (``--baseline torch,sonic``: SonicMoE when it
+imports, :mod:`benchmarks.sonic`), and prints a second table: the SNR of ``y`` and of every gradient of
+each implementation against the float32 reference backend (:mod:`benchmarks.layer_accuracy`).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 
 import click
 import torch
 from torch import Tensor
 
+from benchmarks import layer_accuracy, sonic
 from benchmarks.common import MODELS, ModelShape, make_routing, peak_gib, time_interleaved
 
 MODES = ("dispatch_grouped_gemm", "grouped_gemm_combine", "layer")
+LABELS = {"megamoe": "ours", "baseline": "base", "sonic": "sonic"}
+"""impl -> its name in the printed tables, in column order."""
 
 
 def baseline_layer(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
@@ -80,6 +89,11 @@ def baseline_stage2(
     return y.index_add(0, order // K, o * w)
 
 
+BASELINES = {"torch": ("baseline", baseline_layer), "sonic": ("sonic", sonic.sonic_layer)}
+"""``--baseline`` name -> (the impl its results carry, its layer function); the torch pipeline's impl
+is ``baseline`` in every mode, as in the JSON of every earlier run."""
+
+
 @dataclass(slots=True)
 class Result:
     model: str
@@ -92,14 +106,9 @@ class Result:
     peak_gib: float
 
 
-def _cases(mode: str, shape: ModelShape, routing: str, device: torch.device, precision: str = "bf16"):
-    """Yield ``(impl, forward_fn, leaves)`` for ours and the baseline, on one set of inputs.
-
-    With ``precision="mxfp8"`` ours is the MXFP8 Triton backend and the baseline our own bf16 Triton
-    path (the MXFP8 target is relative to it), so the speed-up column is bf16 ms / mxfp8 ms.
-    """
-    from megamoe import dispatch_grouped_gemm, fused_mega_moe, grouped_gemm_combine
-
+def _inputs(shape: ModelShape, routing: str, device: torch.device) -> tuple[Tensor, ...]:
+    """``x [T, H], topk_idx [T, K], topk_weights [T, K], w1 [G, 2I, H], w2 [G, H, I]``, seeded, bf16 but
+    the float32 routing weights; the four float ones are autograd leaves."""
     torch.manual_seed(0)
     T, H, I, G = shape.tokens, shape.hidden, shape.inter, shape.experts
     dt = torch.bfloat16
@@ -107,7 +116,22 @@ def _cases(mode: str, shape: ModelShape, routing: str, device: torch.device, pre
     w1 = (torch.randn(G, 2 * I, H, device=device, dtype=dt) / H**0.5).requires_grad_()
     w2 = (torch.randn(G, H, I, device=device, dtype=dt) / I**0.5).requires_grad_()
     idx, tw = make_routing(shape, routing, device=device)
-    tw = tw.requires_grad_()
+    return x, idx, tw.requires_grad_(), w1, w2
+
+
+def _cases(
+    mode: str, inputs: tuple[Tensor, ...], precision: str = "bf16", baselines: tuple[str, ...] = ("torch",)
+):
+    """Yield ``(impl, forward_fn, leaves)`` for ours and each baseline, on one set of :func:`_inputs`.
+
+    With ``precision="mxfp8"`` ours is the MXFP8 Triton backend and the baseline our own bf16 Triton
+    path (the MXFP8 target is relative to it), so the speed-up column is bf16 ms / mxfp8 ms. In layer
+    mode, every peer of ``baselines`` follows ours, on the same leaves.
+    """
+    from megamoe import dispatch_grouped_gemm, fused_mega_moe, grouped_gemm_combine
+
+    x, idx, tw, w1, w2 = inputs
+    T = x.shape[0]
     if precision == "mxfp8":
         yield (
             "megamoe",
@@ -117,7 +141,9 @@ def _cases(mode: str, shape: ModelShape, routing: str, device: torch.device, pre
         yield "baseline", lambda: fused_mega_moe(x, idx, tw, w1, w2, backend="triton"), [x, tw, w1, w2]
     elif mode == "layer":
         yield "megamoe", lambda: fused_mega_moe(x, idx, tw, w1, w2, backend="triton"), [x, tw, w1, w2]
-        yield "baseline", lambda: baseline_layer(x, idx, tw, w1, w2), [x, tw, w1, w2]
+        for b in baselines:
+            impl, layer = BASELINES[b]
+            yield impl, lambda layer=layer: layer(x, idx, tw, w1, w2), [x, tw, w1, w2]
     elif mode == "dispatch_grouped_gemm":
         yield "megamoe", lambda: dispatch_grouped_gemm(x, idx, tw, w1, backend="triton")[0], [x, w1]
         yield "baseline", lambda: baseline_stage1(x, idx, w1)[0], [x, w1]
@@ -192,60 +218,102 @@ def _gemm1_alone(shape: ModelShape, routing: str, device: torch.device) -> list[
     return list(zip(names, kernel + as_run, strict=True))
 
 
-def run(
-    mode: str, models: list[str], routings: list[str], fwd_only: bool, precision: str = "bf16"
+def _time_cases(
+    mode: str, name: str, shape: ModelShape, routing: str, cases: list, fwd_only: bool
 ) -> list[Result]:
+    """Each phase's cases timed in interleaved rounds, after one untimed forward and backward of
+    each: SonicMoE autotunes its GEMMs on a shape's first call (minutes, :mod:`benchmarks.sonic`),
+    so every implementation is warm before the first round; how long each warm-up took goes to stderr."""
+    rows = shape.tokens * shape.topk
+    phases: dict[str, list] = {"fwd": []} if fwd_only else {"fwd": [], "fwd+bwd": []}
+    for impl, forward, leaves in cases:
+        start = time.perf_counter()
+        out = forward()
+        grad_out = torch.randn_like(out)
+        if not fwd_only:
+            torch.autograd.backward(out, grad_out, inputs=leaves)
+        del out
+        for leaf in leaves:
+            leaf.grad = None
+        torch.cuda.synchronize()
+        click.echo(f"{name} {routing}: {LABELS[impl]} warm in {time.perf_counter() - start:.1f} s", err=True)
+
+        def fwd(forward=forward):
+            with torch.no_grad():
+                forward()
+
+        def fwd_bwd(forward=forward, leaves=leaves, grad_out=grad_out):
+            torch.autograd.backward(forward(), grad_out, inputs=leaves)
+
+        phases["fwd"].append((fwd, leaves))
+        if not fwd_only:
+            phases["fwd+bwd"].append((fwd_bwd, leaves))
+    results = []
+    for phase, timed in phases.items():
+        mult = 1 if phase == "fwd" else 3
+        for (impl, _, leaves), (fn, _), ms in zip(cases, timed, time_interleaved(timed), strict=True):
+            tflops = mult * _flops(mode, shape, rows) / (ms * 1e-3) / 1e12
+            results.append(Result(name, routing, mode, phase, impl, ms, tflops, peak_gib(fn)))
+            for leaf in leaves:
+                leaf.grad = None
+    return results
+
+
+def run(
+    mode: str,
+    shapes: dict[str, ModelShape],
+    routings: list[str],
+    fwd_only: bool,
+    precision: str = "bf16",
+    baselines: tuple[str, ...] = ("torch",),
+) -> tuple[list[Result], list[layer_accuracy.Accuracy]]:
+    """Timings of every (shape, routing) and, in layer mode, every implementation's accuracy."""
     device = torch.device("cuda")
     results: list[Result] = []
-    for name in models:
-        shape = MODELS[name]
+    accuracy: list[layer_accuracy.Accuracy] = []
+    for name, shape in shapes.items():
         rows = shape.tokens * shape.topk
         for routing in routings:
-            cases = list(_cases(mode, shape, routing, device, precision))
-            phases: dict[str, list] = {"fwd": []} if fwd_only else {"fwd": [], "fwd+bwd": []}
-            for _impl, forward, leaves in cases:
-                grad_out = torch.randn_like(forward())
-
-                def fwd(forward=forward):
-                    with torch.no_grad():
-                        forward()
-
-                def fwd_bwd(forward=forward, leaves=leaves, grad_out=grad_out):
-                    torch.autograd.backward(forward(), grad_out, inputs=leaves)
-
-                phases["fwd"].append((fwd, leaves))
-                if not fwd_only:
-                    phases["fwd+bwd"].append((fwd_bwd, leaves))
-            for phase, timed in phases.items():
-                mult = 1 if phase == "fwd" else 3
-                for (impl, _, leaves), (fn, _), ms in zip(cases, timed, time_interleaved(timed), strict=True):
-                    tflops = mult * _flops(mode, shape, rows) / (ms * 1e-3) / 1e12
-                    results.append(Result(name, routing, mode, phase, impl, ms, tflops, peak_gib(fn)))
-                    for leaf in leaves:
-                        leaf.grad = None
+            inputs = _inputs(shape, routing, device)
+            cases = list(_cases(mode, inputs, precision, baselines))
+            results += _time_cases(mode, name, shape, routing, cases, fwd_only)
+            if mode == "layer":
+                for impl, snr in layer_accuracy.measure(cases, inputs):
+                    accuracy.append(layer_accuracy.Accuracy(name, routing, impl, snr))
             if mode == "dispatch_grouped_gemm" and precision == "bf16":
                 for impl, ms in _gemm1_alone(shape, routing, device):
                     tflops = 4 * rows * shape.hidden * shape.inter / (ms * 1e-3) / 1e12
                     results.append(Result(name, routing, "gemm1", "fwd", impl, ms, tflops, float("nan")))
+            del cases, inputs
             torch.cuda.empty_cache()
-    return results
+    return results, accuracy
 
 
 def format_table(results: list[Result]) -> str:
-    """One line per (model, routing, mode, phase): ours, the baseline and the ratios."""
-    rows = [
-        "| model | routing | mode | phase | ours ms | ours TFLOP/s | base ms | base TFLOP/s | speed-up | ours GiB | base GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    """One line per (model, routing, mode, phase): ours, then per baseline its ms, TFLOP/s and
+    speed-up (its ms / ours), then the peak memory of each; a baseline missing on a line shows —."""
     keyed: dict[tuple, dict[str, Result]] = {}
     for r in results:
         keyed.setdefault((r.model, r.routing, r.mode, r.phase), {})[r.impl] = r
-    for (model, routing, mode, phase), by_impl in keyed.items():
-        ours, base = by_impl["megamoe"], by_impl["baseline"]
-        rows.append(
-            f"| {model} | {routing} | {mode} | {phase} | {ours.ms:.3f} | {ours.tflops:.0f} | {base.ms:.3f} | "
-            f"{base.tflops:.0f} | {base.ms / ours.ms:.3f}x | {ours.peak_gib:.2f} | {base.peak_gib:.2f} |"
-        )
+    peers = [impl for impl in LABELS if impl != "megamoe" and any(impl in by for by in keyed.values())]
+    header = ["model", "routing", "mode", "phase", "ours ms", "ours TFLOP/s"]
+    for impl in peers:
+        header += [f"{LABELS[impl]} {col}" for col in ("ms", "TFLOP/s", "speed-up")]
+    header += ["ours GiB", *(f"{LABELS[impl]} GiB" for impl in peers)]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key, by_impl in keyed.items():
+        ours = by_impl["megamoe"]
+        cells = [*key, f"{ours.ms:.3f}", f"{ours.tflops:.0f}"]
+        for impl in peers:
+            peer = by_impl.get(impl)
+            cells += (
+                [f"{peer.ms:.3f}", f"{peer.tflops:.0f}", f"{peer.ms / ours.ms:.3f}x"] if peer else ["—"] * 3
+            )
+        cells += [
+            f"{ours.peak_gib:.2f}",
+            *(f"{by_impl[i].peak_gib:.2f}" if i in by_impl else "—" for i in peers),
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -253,11 +321,56 @@ def _split(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def _baselines(value: str, mode: str, precision: str, num_processes: int) -> list[str]:
+    """The ``--baseline`` list, checked (order kept, repeats dropped)."""
+    names = list(dict.fromkeys(_split(value)))
+    bad = [b for b in names if b not in BASELINES]
+    if bad or not names:
+        raise click.BadParameter(
+            f"unknown baseline(s) {bad}; use a comma list of {', '.join(BASELINES)}", param_hint="--baseline"
+        )
+    if names != ["torch"] and (mode != "layer" or precision != "bf16" or num_processes > 1):
+        raise click.BadParameter(
+            "peers other than torch are compared in --mode layer at --precision bf16 on one GPU only",
+            param_hint="--baseline",
+        )
+    return names
+
+
+def _unavailable(baselines: list[str]) -> dict[str, str]:
+    """``{baseline: why}`` for each listed peer that cannot run here."""
+    if "sonic" in baselines and (reason := sonic.import_error()):
+        return {"sonic": f"sonicmoe not importable: {reason}"}
+    return {}
+
+
+def _write_json(path: str, results: list[Result], accuracy: list, skipped: dict[str, str]) -> None:
+    props = torch.cuda.get_device_properties(0)
+    record = {
+        "device": f"{props.name}, {props.multi_processor_count} SMs",
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
+        "skipped": skipped,
+        "results": [asdict(r) for r in results],
+        "accuracy": [asdict(a) for a in accuracy],
+    }
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+
+
 @click.command(help=__doc__)
 @click.option("--mode", type=click.Choice(MODES), default="layer", show_default=True)
 @click.option("--models", default=",".join(MODELS), show_default=True, help="comma-separated model names")
 @click.option(
     "--routing", "routings", default="uniform,skewed", show_default=True, help="uniform and/or skewed"
+)
+@click.option(
+    "--baseline",
+    "baselines",
+    default="torch",
+    show_default=True,
+    help="comma-separated peers timed against ours in the same rounds: torch (the _grouped_mm pipeline) "
+    "and, in --mode layer at bf16 on one GPU, sonic (SonicMoE; skipped with its reason when it does "
+    "not import)",
 )
 @click.option("--fwd-only", is_flag=True, help="time the forward only")
 @click.option(
@@ -285,6 +398,7 @@ def main(
     mode: str,
     models: str,
     routings: str,
+    baselines: str,
     fwd_only: bool,
     precision: str,
     num_processes: int,
@@ -305,11 +419,16 @@ def main(
         raise click.BadParameter(f"unknown routing {bad}; use uniform and/or skewed", param_hint="--routing")
     if num_processes > 1 and fwd_only:
         raise click.BadParameter("--num-processes > 1 benchmarks forward + backward only")
+    baseline_list = _baselines(baselines, mode, precision, num_processes)
+    skipped = _unavailable(baseline_list)
+    for peer, reason in skipped.items():
+        click.echo(f"{peer}: skipped ({reason})")
+        baseline_list.remove(peer)
     if dry_run:
         for n in names:
             click.echo(
                 f"{mode} {n} {asdict(MODELS[n])} routing={routing_list} fwd_only={fwd_only} precision={precision} "
-                f"num_processes={num_processes}"
+                f"num_processes={num_processes} baselines={baseline_list}"
             )
         return
     if not torch.cuda.is_available():
@@ -319,7 +438,8 @@ def main(
 
         bench_ep.run(num_processes, mode, names, routing_list, json_path, precision)
         return
-    results = run(mode, names, routing_list, fwd_only, precision)
+    shapes = {n: MODELS[n] for n in names}
+    results, accuracy = run(mode, shapes, routing_list, fwd_only, precision, tuple(baseline_list))
     props = torch.cuda.get_device_properties(0)
     click.echo(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
     click.echo(format_table([r for r in results if r.mode != "gemm1"]))
@@ -330,9 +450,11 @@ def main(
             for r in (ours, base):
                 click.echo(f"  {r.model} {r.routing} {r.impl}: {r.ms:.3f} ms, {r.tflops:.0f} TFLOP/s")
             click.echo(f"    speed-up {base.ms / ours.ms:.3f}x")
+    if accuracy:
+        click.echo(f"\n{layer_accuracy.CAPTION}")
+        click.echo(layer_accuracy.format_table(accuracy, LABELS))
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=1)
+        _write_json(json_path, results, accuracy, skipped)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def test_bench_cases_run_forward_backward_and_ours_runs_no_swiglu_pass(mode, mon
     passes = []
     monkeypatch.setattr(ops, "swiglu_forward", lambda *args: passes.append(args))
     shape = bench.ModelShape(hidden=32, inter=24, experts=4, topk=2, tokens=24)
-    for impl, forward, leaves in bench._cases(mode, shape, "skewed", torch.device("cpu")):
+    for impl, forward, leaves in bench._cases(mode, bench._inputs(shape, "skewed", torch.device("cpu"))):
         for _ in range(2):  # the benchmark repeats each case on the same leaves
             out = forward()
             torch.autograd.backward(out, torch.randn_like(out), inputs=leaves)
