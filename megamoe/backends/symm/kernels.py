@@ -61,11 +61,11 @@ class SendTables(NamedTuple):
 
 
 class GemmOperands(NamedTuple):
-    """The GEMM role's operands and tile table (None where the launch's flags read nothing)."""
+    """The GEMM role's operands and tile table (None where the launch's flags read nothing); the
+    weights' TMA descriptor is the kernel's own argument (Triton's launcher expands descriptors only
+    at the top level)."""
 
     a: Any
-    b_desc: Any
-    """TMA descriptor of the expert weights"""
     c: Any
     row_scale: Any
     scalar: Any
@@ -143,6 +143,7 @@ def _now(x, IN_PTX: tl.constexpr):
 def fused_kernel(
     send,
     gemm,
+    b_desc,
     views,
     rank,
     world,
@@ -182,14 +183,14 @@ def fused_kernel(
     trace_ptr,
     VARIANT: tl.constexpr,
 ):
-    """``send``: :class:`SendTables`, ``gemm``: :class:`GemmOperands`, ``views``: :class:`WorkspaceViews`
-    (None where a launch has no such table); the integers after them are the sizes."""
+    """``send``: :class:`SendTables`, ``gemm``: :class:`GemmOperands`, ``b_desc``: the expert weights'
+    TMA descriptor, ``views``: :class:`WorkspaceViews`; the integers after them are the sizes."""
     (
         src_ptr, send_token_ptr, send_slot_ptr, send_weight_ptr, send_start_ptr, send_dest_row_ptr,
         seg_start_ptr, seg_len_ptr, seg_pos_ptr,
     ) = send  # fmt: skip
     (
-        a_ptr, b_desc, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr, row_pos_ptr, tiles_ptr, num_tiles_ptr,
+        a_ptr, c_ptr, row_scale_ptr, scalar_ptr, row_src_ptr, row_pos_ptr, tiles_ptr, num_tiles_ptr,
         num_local_tiles_ptr,
     ) = gemm  # fmt: skip
     (

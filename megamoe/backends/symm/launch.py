@@ -403,7 +403,6 @@ def fused_gemm(
         ),
         GemmOperands(
             a_RK,
-            b_desc,
             out_RN,
             row_scale_R,
             remote.scalar_R if remote else None,
@@ -413,6 +412,7 @@ def fused_gemm(
             num_tiles_1,
             own_tiles,
         ),
+        b_desc,
         WorkspaceViews(
             ws.ptrs_dev,
             ws.state,

@@ -31,7 +31,7 @@ _SEND = SendTables(
     send_dest_row="*i32", seg_start="*i32", seg_len="*i32", seg_pos="*i32",
 )  # fmt: skip
 _GEMM = GemmOperands(
-    a="*bf16", b_desc=None, c="*bf16", row_scale="*fp32", scalar="*fp32", row_src="*i32", row_pos="*i32",
+    a="*bf16", c="*bf16", row_scale="*fp32", scalar="*fp32", row_src="*i32", row_pos="*i32",
     tiles="*i32", num_tiles="*i32", num_local_tiles="*i32",
 )  # fmt: skip
 _VIEWS = WorkspaceViews(
@@ -83,10 +83,10 @@ def _launch(
     meta |= {"COPY_ROWS": 32, "COPY_COLS": 512}
     box = [1, cfg.block_k, cfg.block_n] if flags.B_KN else [1, cfg.block_n, cfg.block_k]
     none = _absent(flags)
-    b_desc = f"tensordesc<bf16[{','.join(map(str, box))}]>"
     args = {n: "i32" for n in _UNSPECIALISED} | meta | {"H": H, "N": N, "K": K, "stride_a": K, "stride_c": N}
+    args["b_desc"] = f"tensordesc<bf16[{','.join(map(str, box))}]>"
     args["send"] = _SEND._replace(**dict.fromkeys(none["send"]))
-    args["gemm"] = _GEMM._replace(b_desc=b_desc, **dict.fromkeys(none["gemm"]))
+    args["gemm"] = _GEMM._replace(**dict.fromkeys(none["gemm"]))
     args["views"] = _VIEWS._replace(**dict.fromkeys(none["views"]))
     args["trace_ptr"] = "*i64" if variant == "traced" else None
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

@@ -75,6 +75,9 @@ def _signature(value, path: tuple[int, ...], constexprs: dict, attrs: dict):
     """The signature entry of the argument at ``path`` (a tuple argument's element by element, a
     named tuple's as its own type), recording its constant or its divisibility."""
     if isinstance(value, tuple):
+        if any(isinstance(v, str) and v.startswith("tensordesc") for v in value):
+            # compiles, but Triton 3.6's CUDA launcher expands descriptors at the top level only
+            raise TypeError(f"a tensor descriptor inside the tuple argument at {path} cannot be launched")
         types = [_signature(v, (*path, j), constexprs, attrs) for j, v in enumerate(value)]
         return type(value)(*types) if hasattr(value, "_fields") else tuple(types)
     arg = _argument(value)
