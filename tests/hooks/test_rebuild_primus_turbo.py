@@ -75,7 +75,14 @@ def test_rebuild_hook_second_run_is_a_cache_hit_under_a_second(
     assert builds(hook_env) == [fake_turbo.minimum]
 
 
-@pytest.mark.parametrize("ref", ["main", "v0.2.0", "newer-sha"])
+@pytest.mark.parametrize(
+    "ref",
+    [
+        "main",
+        pytest.param("v0.2.0", marks=pytest.mark.slow),
+        pytest.param("newer-sha", marks=pytest.mark.slow),
+    ],
+)
 def test_rebuild_hook_newer_ref_rebuilds_with_synced_submodules(
     hook_env: dict[str, str], fake_turbo: FakeTurbo, tmp_path: Path, ref: str
 ) -> None:

@@ -78,6 +78,7 @@ def test_direct_hook_exports_and_extras_reach_the_training(tmp_path: Path) -> No
     assert "GOT hooked ['x', '--backend_path', '/opt/megatron']" in res.stdout
 
 
+@pytest.mark.slow
 def test_direct_two_jobs_on_one_node_without_a_port_both_finish(tmp_path: Path) -> None:
     """No MASTER_PORT, no --master-port: each job gets its own free port instead of colliding."""
     job = tmp_path / "allreduce.py"

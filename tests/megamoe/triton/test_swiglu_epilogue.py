@@ -225,7 +225,9 @@ def _two_stages(x, idx, tw, w1, w2):
     return grouped_gemm_combine(h, weights, handle, w2) * 2.0
 
 
-@pytest.mark.parametrize("fn", [_fused, _two_stages], ids=["fused_mega_moe", "two-stages"])
+@pytest.mark.parametrize(
+    "fn", [_fused, pytest.param(_two_stages, marks=pytest.mark.slow)], ids=["fused_mega_moe", "two-stages"]
+)
 def test_triton_torch_compile_fullgraph_aot_eager_uses_the_epilogue_activation(
     fn, monkeypatch, swiglu_passes
 ) -> None:

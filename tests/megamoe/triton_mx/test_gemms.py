@@ -164,6 +164,7 @@ def test_mx_grouped_gemm_nan_block_poisons_only_its_rows() -> None:
     assert torch.isnan(out[3]).all() and torch.isfinite(out[torch.arange(T) != 3]).all()
 
 
+@pytest.mark.slow
 def test_mx_gemms_programs_per_sm_change_only_the_grid() -> None:
     """``programs_per_sm`` (two co-resident 4-warp programs on an H200) launches more persistent programs:
     every tile is still summed by one program in the same order, so the outputs are bitwise equal."""
