@@ -13,8 +13,9 @@
 # SonicMoE's six QuACK GEMMs autotune on a shape's first call: every candidate tile config is
 # compiled (QUACK_COMPILE_WORKERS processes, here one per core) and timed, minutes per model. The
 # choices are kept on disk (QUACK_CACHE_AUTOTUNING=1) and packed after every step, finished or not,
-# into $OUT/quack-autotune.tar.gz; put that file in PEER and the next run, on a fresh machine too,
-# compiles only the chosen configs. Where a call is limited to 10 minutes, run one model per call.
+# into $OUT/quack-autotune.tar.gz; put that file in PEER (or over benchmarks/results/
+# sonic-quack-autotune-h200.tar.gz) and the next run, on a fresh machine too, compiles only the
+# chosen configs. Where a call is limited to 10 minutes, run one model per call.
 # Other settings: ROUTING (default uniform,skewed), STEP_TIMEOUT_S (default 540), SITE (where the
 # wheels go, default /tmp/site), PYTHON (default python3).
 set -uo pipefail
@@ -37,9 +38,13 @@ export PYTHONUNBUFFERED=1
 export QUACK_CACHE_AUTOTUNING=1 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/tmp/quack_cache}
 export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
 mkdir -p "$QUACK_CACHE_DIR"
-if [ -f "$peer/quack-autotune.tar.gz" ]; then
-  tar -xzf "$peer/quack-autotune.tar.gz" -C "$QUACK_CACHE_DIR" && echo "restored SonicMoE's tuning from $peer"
-fi
+# the tuning an earlier run packed: PEER's, else the one kept with the results (one H200, partial)
+for tuning in "$peer/quack-autotune.tar.gz" benchmarks/results/sonic-quack-autotune-h200.tar.gz; do
+  if [ -f "$tuning" ]; then
+    tar -xzf "$tuning" -C "$QUACK_CACHE_DIR" && echo "restored SonicMoE's tuning from $tuning"
+    break
+  fi
+done
 timeout 300 "$py" -c 'import sonicmoe; print("sonicmoe", sonicmoe.__version__, "imports")' ||
   { echo "sonicmoe does not import after the install" >&2; exit 1; }
 
