@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import megamoe
 from megamoe.backends import QUANTIZED
+from megamoe.backends.symm.workspace import check_capacity
+from megamoe.quant import advance_weight_generation
 from megamoe.train import checkpoint, data, distributed, metrics, model
 from megamoe.train.config import export_yaml
 from megamoe.train.evaluate import evaluate
@@ -85,7 +86,7 @@ def before_optimizer_step(switch: model.MoESwitch) -> None:
     out of this step's outputs, so :func:`megamoe.check_capacity` raises then, before any weight (or a
     later checkpoint) takes the wrong gradients. One small host read; a no-op off the GPU path."""
     if switch.use_mega_moe:
-        megamoe.check_capacity()
+        check_capacity()
 
 
 def after_optimizer_step(switch: model.MoESwitch) -> None:
@@ -93,7 +94,7 @@ def after_optimizer_step(switch: model.MoESwitch) -> None:
     per weight generation (the optimizer updates weights in place without bumping ``Tensor._version``),
     so a step starts a new generation. Recompute and warm-up forwards within a step reuse the cache."""
     if switch.use_mega_moe and switch.options.precision in QUANTIZED:
-        megamoe.advance_weight_generation()
+        advance_weight_generation()
 
 
 def pretrain(cfg: PretrainConfig, environ: Mapping[str, str]) -> Summary:
