@@ -189,9 +189,9 @@ class MegaMoEConfig:
     shared_expert_intermediate_size: int | None = None
     backend: str = "auto"
     precision: str = "bf16"
+    """number format of the expert GEMMs: ``bf16``, ``mxfp8`` or ``fp8`` (parameters keep ``dtype``)."""
     ep_settings: EPSettings | None = None
     """how tokens move at EP > 1; None: :meth:`EPSettings.from_env` when the layer is built."""
-    """number format of the expert GEMMs: ``bf16``, ``mxfp8`` or ``fp8`` (parameters keep ``dtype``)."""
     dtype: torch.dtype = torch.float32
     seed: int = 0
 
