@@ -38,7 +38,9 @@ from benchmarks import layer_accuracy, sonic
 from benchmarks.common import MODELS, ModelShape, make_routing, peak_gib, time_interleaved
 
 MODES = ("dispatch_grouped_gemm", "grouped_gemm_combine", "layer")
-LABELS = {"megamoe": "ours", "baseline": "base", "sonic": "sonic"}
+QUANTIZED = ("mxfp8", "fp8")
+"""precisions timed against our bf16 path (``--mode layer``)."""
+LABELS = {"megamoe": "ours", "mxfp8": "mxfp8", "baseline": "base", "sonic": "sonic"}
 """impl -> its name in the printed tables, in column order."""
 
 
@@ -124,20 +126,22 @@ def _cases(
 ):
     """Yield ``(impl, forward_fn, leaves)`` for ours and each baseline, on one set of :func:`_inputs`.
 
-    With ``precision="mxfp8"`` ours is the MXFP8 Triton backend and the baseline our own bf16 Triton
-    path (the MXFP8 target is relative to it), so the speed-up column is bf16 ms / mxfp8 ms. In layer
-    mode, every peer of ``baselines`` follows ours, on the same leaves.
+    With a quantised ``precision`` ours is that precision's Triton backend and the baseline our own
+    bf16 Triton path (the FP8 targets are relative to it), so the speed-up column is bf16 ms / ours
+    ms; ``fp8`` also times the MXFP8 backend beside them. In layer mode, every peer of ``baselines``
+    follows ours, on the same leaves.
     """
     from megamoe import dispatch_grouped_gemm, fused_mega_moe, grouped_gemm_combine
 
     x, idx, tw, w1, w2 = inputs
     T = x.shape[0]
-    if precision == "mxfp8":
-        yield (
-            "megamoe",
-            lambda: fused_mega_moe(x, idx, tw, w1, w2, backend="triton", precision="mxfp8"),
-            [x, tw, w1, w2],
-        )
+    if precision in QUANTIZED:
+        for impl, p in (("megamoe", precision), *((("mxfp8", "mxfp8"),) if precision == "fp8" else ())):
+            yield (
+                impl,
+                lambda p=p: fused_mega_moe(x, idx, tw, w1, w2, backend="triton", precision=p),
+                [x, tw, w1, w2],
+            )
         yield "baseline", lambda: fused_mega_moe(x, idx, tw, w1, w2, backend="triton"), [x, tw, w1, w2]
     elif mode == "layer":
         yield "megamoe", lambda: fused_mega_moe(x, idx, tw, w1, w2, backend="triton"), [x, tw, w1, w2]
@@ -278,8 +282,9 @@ def run(
             cases = list(_cases(mode, inputs, precision, baselines))
             results += _time_cases(mode, name, shape, routing, cases, fwd_only)
             if mode == "layer":
-                for impl, snr in layer_accuracy.measure(cases, inputs):
-                    accuracy.append(layer_accuracy.Accuracy(name, routing, impl, snr))
+                emulated = {"megamoe": precision, "mxfp8": "mxfp8"} if precision in QUANTIZED else {}
+                for impl, against, snr in layer_accuracy.measure(cases, inputs, emulated=emulated):
+                    accuracy.append(layer_accuracy.Accuracy(name, routing, impl, snr, against))
             if mode == "dispatch_grouped_gemm" and precision == "bf16":
                 for impl, ms in _gemm1_alone(shape, routing, device):
                     tflops = 4 * rows * shape.hidden * shape.inter / (ms * 1e-3) / 1e12
@@ -375,13 +380,14 @@ def _write_json(path: str, results: list[Result], accuracy: list, skipped: dict[
 @click.option("--fwd-only", is_flag=True, help="time the forward only")
 @click.option(
     "--precision",
-    type=click.Choice(["bf16", "mxfp8"]),
+    type=click.Choice(["bf16", *QUANTIZED]),
     default="bf16",
     show_default=True,
-    help="expert GEMM precision; mxfp8 (layer mode) times the MXFP8 Triton backend against our own bf16 "
-    "Triton path in the same run (speed-up = bf16 ms / mxfp8 ms; with --num-processes > 1 both over "
-    "symmetric memory, and the NCCL pipeline). The weights are re-quantised on every call (no optimizer "
-    "step advances the cache), as on a step's first micro-batch",
+    help="expert GEMM precision; mxfp8 and fp8 (layer mode) time that Triton backend against our own "
+    "bf16 Triton path in the same run (speed-up = bf16 ms / ours ms; fp8 also times mxfp8 beside them; "
+    "mxfp8 with --num-processes > 1 over symmetric memory, and the NCCL pipeline), and report the SNR "
+    "against float32 and against the precision's exact emulation. The weights are re-quantised on every "
+    "call (no optimizer step advances the cache), as on a step's first micro-batch",
 )
 @click.option(
     "--num-processes",
@@ -406,8 +412,10 @@ def main(
     dry_run: bool,
 ) -> None:
     names = _split(models)
-    if precision == "mxfp8" and mode != "layer":
-        raise click.BadParameter("mxfp8 is benchmarked in --mode layer only", param_hint="--precision")
+    if precision in QUANTIZED and mode != "layer":
+        raise click.BadParameter(f"{precision} is benchmarked in --mode layer only", param_hint="--precision")
+    if precision == "fp8" and num_processes > 1:
+        raise click.BadParameter("fp8 is benchmarked on one GPU only", param_hint="--precision")
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         raise click.BadParameter(

@@ -21,7 +21,10 @@ from megamoe import fused_mega_moe
 OUTPUTS = {"y": "y", "dx": "dx", "d_topk_weights": "d(topk_weights)", "dw1": "dW1", "dw2": "dW2"}
 """Output -> its column in the table; the gradients in the order of the layer's leaves after ``y``."""
 
-CAPTION = "SNR dB against the float32 reference backend, forward and backward on the inputs timed above:"
+CAPTION = (
+    "SNR dB against the float32 reference backend (and a quantised precision's exact emulation), "
+    "forward and backward on the inputs timed above:"
+)
 
 
 @dataclass(slots=True)
@@ -30,6 +33,8 @@ class Accuracy:
     routing: str
     impl: str
     snr_db: dict[str, float]
+    against: str = "float32"
+    """the reference: ``float32``, or the precision whose exact emulation it was compared with."""
 
 
 def _outputs(y: Tensor, leaves: list[Tensor], dy: Tensor) -> dict[str, Tensor]:
@@ -37,30 +42,52 @@ def _outputs(y: Tensor, leaves: list[Tensor], dy: Tensor) -> dict[str, Tensor]:
     return dict(zip(OUTPUTS, (y.detach(), *grads), strict=True))
 
 
-def measure(cases: list, inputs: tuple[Tensor, ...], *, seed: int = 1) -> list[tuple[str, dict[str, float]]]:
-    """``(impl, {output: SNR dB})`` of each layer case ``(impl, forward, [x, topk_weights, w1, w2])``
-    of the bench, on ``inputs = (x, topk_idx, topk_weights, w1, w2)``."""
+def _emulation(inputs: tuple[Tensor, ...], precision: str, dy: Tensor) -> dict[str, Tensor]:
+    """The exact emulation of ``precision`` on the bench's own (bf16) inputs: it hands ``h`` and ``dh``
+    between the stages in their dtype, as the kernels do, so the comparison sees the kernels' error only."""
+    x, idx, tw, w1, w2 = inputs
+    leaves = [t.detach().clone().requires_grad_() for t in (x, tw, w1, w2)]
+    y = fused_mega_moe(leaves[0], idx, *leaves[1:], backend="reference", precision=precision)
+    return _outputs(y, leaves, dy)
+
+
+def _snr(got: dict[str, Tensor], ref: dict[str, Tensor]) -> dict[str, float]:
+    return {name: round(snr_db(got[name].float(), ref[name].float()), 2) for name in OUTPUTS}
+
+
+def measure(
+    cases: list, inputs: tuple[Tensor, ...], *, seed: int = 1, emulated: dict[str, str] | None = None
+) -> list[tuple[str, str, dict[str, float]]]:
+    """``(impl, against, {output: SNR dB})`` of each layer case ``(impl, forward, [x, topk_weights, w1,
+    w2])`` of the bench, on ``inputs = (x, topk_idx, topk_weights, w1, w2)``: against float32 for every
+    case, and against its precision's exact emulation for the impls ``emulated`` maps to one."""
     x, idx, tw, w1, w2 = inputs
     g = torch.Generator(device=x.device).manual_seed(seed)
     dy = torch.randn(x.shape, generator=g, device=x.device, dtype=torch.float32)
     leaves = [t.detach().float().requires_grad_() for t in (x, tw, w1, w2)]
     ref = _outputs(fused_mega_moe(leaves[0], idx, *leaves[1:], backend="reference"), leaves, dy)
+    emulated = emulated or {}
     report = []
     for impl, forward, case_leaves in cases:
         got = _outputs(forward(), case_leaves, dy)
-        report.append((impl, {name: round(snr_db(got[name], ref[name]), 2) for name in OUTPUTS}))
+        report.append((impl, "float32", _snr(got, ref)))
+        if impl in emulated:
+            report.append((impl, emulated[impl], _snr(got, _emulation(inputs, emulated[impl], dy))))
     return report
 
 
 def format_table(rows: list[Accuracy], labels: dict[str, str]) -> str:
     """One line per (model, routing, impl), impl named by ``labels``: the SNR of each output."""
     lines = [
-        "| model | routing | impl | " + " | ".join(OUTPUTS.values()) + " |",
-        "|---|---|---|" + "---|" * len(OUTPUTS),
+        "| model | routing | impl | against | " + " | ".join(OUTPUTS.values()) + " |",
+        "|---|---|---|---|" + "---|" * len(OUTPUTS),
     ]
     for r in rows:
         cells = [f"{r.snr_db[name]:.1f}" for name in OUTPUTS]
+        against = r.against if r.against == "float32" else f"{r.against} emulation"
         lines.append(
-            f"| {r.model} | {r.routing} | {labels.get(r.impl, r.impl)} | " + " | ".join(cells) + " |"
+            f"| {r.model} | {r.routing} | {labels.get(r.impl, r.impl)} | {against} | "
+            + " | ".join(cells)
+            + " |"
         )
     return "\n".join(lines)

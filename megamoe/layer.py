@@ -111,7 +111,13 @@ class MegaMoEExperts(nn.Module):
             self.backend, device=weight.device, dtype=weight.dtype, precision=self.precision
         )
         return (
-            transport_name(concrete, device=weight.device, ep_size=ep_size, settings=self.ep_settings)
+            transport_name(
+                concrete,
+                device=weight.device,
+                ep_size=ep_size,
+                settings=self.ep_settings,
+                precision=self.precision,
+            )
             == "symm"
         )
 

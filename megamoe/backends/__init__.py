@@ -6,10 +6,11 @@ PyTorch reference everywhere else.
 
 ``precision`` picks the number format of the expert GEMMs: ``bf16`` (the inputs' own dtype),
 ``mxfp8`` (OCP MX, :mod:`megamoe.quant.mx`) or ``fp8`` (DeepSeek-V3's blockwise FP8,
-:mod:`megamoe.quant.fp8`). MXFP8 has Triton kernels (:mod:`megamoe.backends.triton_mx`), which
-``auto`` picks for bf16 on CUDA, and the exact emulation
-(:mod:`megamoe.backends.quantized_reference`), the choice everywhere else. FP8 has only the exact
-emulation so far: ``auto`` picks it everywhere, and ``backend="triton"`` is refused.
+:mod:`megamoe.quant.fp8`). Both have Triton kernels (:mod:`megamoe.backends.triton_mx`,
+:mod:`megamoe.backends.triton_fp8`, composed with a transport by
+:mod:`megamoe.backends.quantized_triton`), which ``auto`` picks for bf16 on CUDA, and the exact
+emulation (:mod:`megamoe.backends.quantized_reference`), the choice everywhere else. FP8 at EP > 1
+runs over the NCCL transport (no symmetric-memory kernels for it yet).
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def _triton(precision: str, transport: str, settings: EPSettings) -> ExpertBacke
     """The Triton expert math of ``precision`` over ``transport`` (``local``, ``nccl`` or ``symm``)."""
     _require_triton()
     if transport == "symm":
+        if precision == "fp8":
+            raise UnsupportedSettingError(
+                "ep_transport",
+                "symm",
+                "precision='fp8' has no symmetric-memory EP kernels yet",
+                "Set the EP transport to 'nccl' (turbo_mega_moe_ep_transport: nccl, or MEGAMOE_EP_TRANSPORT=nccl)",
+            )
         if precision == "mxfp8":
             from megamoe.backends.triton_mx.ep_symm import MXFP8SymmBackend
 
@@ -54,24 +62,22 @@ def _triton(precision: str, transport: str, settings: EPSettings) -> ExpertBacke
     from megamoe.backends.triton.rows import AllToAllTransport, LocalTransport
 
     rows = LocalTransport() if transport == "local" else AllToAllTransport()
-    if precision == "mxfp8":
-        from megamoe.backends.triton_mx.backend import MXFP8TritonBackend
+    if precision in QUANTIZED:
+        from megamoe.backends.quantized_triton import QuantizedTritonBackend
 
-        return MXFP8TritonBackend(rows)
+        if precision == "mxfp8":
+            from megamoe.backends.triton_mx.experts import MXExperts
+
+            return QuantizedTritonBackend(rows, MXExperts())
+        from megamoe.backends.triton_fp8.experts import FP8Experts
+
+        return QuantizedTritonBackend(rows, FP8Experts())
     from megamoe.backends.triton.backend import TritonBackend
 
     return TritonBackend(rows)
 
 
 def _load(name: str, precision: str, transport: str, settings: EPSettings) -> ExpertBackend:
-    if name == "triton" and precision == "fp8":
-        raise UnsupportedSettingError(
-            "backend",
-            "triton",
-            "precision='fp8' has no Triton kernels yet",
-            "Use backend='auto' or 'reference' (the exact emulation, slow: see docs/fp8.md), "
-            "or precision='mxfp8' for Triton kernels",
-        )
     if name == "triton":
         return _triton(precision, transport, settings)
     if precision in QUANTIZED:
@@ -98,9 +104,7 @@ def resolve_backend_name(
     """Turn ``auto`` into a concrete backend name for tensors on ``device`` of ``dtype``."""
     if name != "auto":
         return name
-    if precision == "fp8":  # no kernels yet: the exact emulation everywhere
-        return "reference"
-    if precision == "mxfp8":
+    if precision in QUANTIZED:
         cuda = device.type == "cuda" and dtype == torch.bfloat16 and torch.version.hip is None
         return "triton" if cuda and importlib.util.find_spec("triton") is not None else "reference"
     if device.type == "cuda" and dtype == torch.bfloat16:
@@ -113,12 +117,19 @@ def resolve_backend_name(
     return "reference"
 
 
-def transport_name(name: str, *, device: torch.device, ep_size: int, settings: EPSettings) -> str:
+def transport_name(
+    name: str, *, device: torch.device, ep_size: int, settings: EPSettings, precision: str = "bf16"
+) -> str:
     """How backend ``name`` moves tokens: ``local`` (one rank), ``symm`` or ``nccl`` (the Triton
-    backends take ``settings.transport``; the others exchange through ``all_to_all_single``)."""
+    backends take ``settings.transport``, FP8 ``nccl`` unless one is set; the others exchange through
+    ``all_to_all_single``)."""
     if ep_size == 1:
         return "local"
-    return settings.transport_for(device.type) if name == "triton" else "nccl"
+    if name != "triton":
+        return "nccl"
+    if precision == "fp8" and settings.transport is None:
+        return "nccl"
+    return settings.transport_for(device.type)
 
 
 _CACHE: dict[tuple, ExpertBackend] = {}
@@ -144,7 +155,9 @@ def get_backend(
         raise InvalidConfigError("backend", name, "unknown backend", f"Use one of {', '.join(BACKEND_NAMES)}")
     settings = EPSettings.from_env() if settings is None else settings
     concrete = resolve_backend_name(name, device=device, dtype=dtype, precision=precision)
-    transport = transport_name(concrete, device=device, ep_size=ep_size, settings=settings)
+    transport = transport_name(
+        concrete, device=device, ep_size=ep_size, settings=settings, precision=precision
+    )
     key = (concrete, precision, transport, settings.symm if transport == "symm" else None)
     if key not in _CACHE:
         _CACHE[key] = _load(concrete, precision, transport, settings)

@@ -117,10 +117,12 @@ def test_table_with_several_baselines_gives_each_its_columns_and_dashes_a_missin
 def test_accuracy_table_names_impls_by_their_labels() -> None:
     snr = dict.fromkeys(layer_accuracy.OUTPUTS, 41.234)
     rows = [layer_accuracy.Accuracy("Qwen3-30B-A3B", "skewed", impl, snr) for impl in ("megamoe", "sonic")]
+    rows.append(layer_accuracy.Accuracy("Qwen3-30B-A3B", "skewed", "megamoe", snr, against="fp8"))
     lines = layer_accuracy.format_table(rows, bench.LABELS).splitlines()
-    assert lines[0] == "| model | routing | impl | y | dx | d(topk_weights) | dW1 | dW2 |"
-    assert lines[2] == "| Qwen3-30B-A3B | skewed | ours | 41.2 | 41.2 | 41.2 | 41.2 | 41.2 |"
-    assert lines[3].startswith("| Qwen3-30B-A3B | skewed | sonic | 41.2")
+    assert lines[0] == "| model | routing | impl | against | y | dx | d(topk_weights) | dW1 | dW2 |"
+    assert lines[2] == "| Qwen3-30B-A3B | skewed | ours | float32 | 41.2 | 41.2 | 41.2 | 41.2 | 41.2 |"
+    assert lines[3].startswith("| Qwen3-30B-A3B | skewed | sonic | float32 | 41.2")
+    assert lines[4].startswith("| Qwen3-30B-A3B | skewed | ours | fp8 emulation | 41.2")
 
 
 def _stand_in_general_routing(
@@ -167,7 +169,7 @@ def test_sonic_adapter_passes_our_layouts_as_sonicmoes_contract(stand_in_sonicmo
         if c[0] != "megamoe"  # ours runs in Triton's interpreter: test_bench.py covers it
     ]
     assert [impl for impl, _, _ in cases] == ["baseline", "sonic"]
-    report = dict(layer_accuracy.measure(cases, inputs))
+    report = {impl: snr for impl, _, snr in layer_accuracy.measure(cases, inputs)}
     for impl, snr in report.items():
         assert set(snr) == set(layer_accuracy.OUTPUTS), impl
         assert min(snr.values()) > 35, (impl, snr)  # bf16 inputs and outputs against float32
@@ -181,5 +183,5 @@ def test_snr_column_exposes_swapped_gate_and_up_halves(stand_in_sonicmoe) -> Non
     def swapped():
         return sonic.sonic_layer(x, idx, tw, torch.cat(w1.chunk(2, dim=1)[::-1], dim=1), w2)
 
-    ((_, snr),) = layer_accuracy.measure([("sonic", swapped, [x, tw, w1, w2])], inputs)
+    ((_, _, snr),) = layer_accuracy.measure([("sonic", swapped, [x, tw, w1, w2])], inputs)
     assert snr["y"] < 10

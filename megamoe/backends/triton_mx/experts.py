@@ -3,7 +3,7 @@
 Legend: R expert-sorted rows (static; rows past ``expert_start[G]`` are padding), H hidden,
 I intermediate, G local experts, NB = ceil(R / 32) + G * align block slots along R.
 
-Two transports feed it: :mod:`.backend` (one GPU, or NCCL's ``TokenExchange`` at EP > 1) and
+Two transports feed it: :mod:`megamoe.backends.quantized_triton` (one GPU, or NCCL's ``TokenExchange`` at EP > 1) and
 :mod:`.ep_symm` (the symmetric-memory workspace at EP > 1). Each step reads its rows either through a
 row index (``a_rows``: the one-GPU path's fused dispatch gather) or in row order (a pool the
 transport already filled), and writes per-row outputs; the transport does the combine.
@@ -24,6 +24,7 @@ from megamoe.backends.triton_mx.grouped_gemm import RemoteRows, mx_grouped_gemm
 from megamoe.backends.triton_mx.quantize_rows import quantize_rows
 from megamoe.backends.triton_mx.quantize_segments import quantize_segments, segment_block_starts
 from megamoe.backends.triton_mx.swiglu import swiglu_backward_quant, swiglu_quant
+from megamoe.backends.triton_mx.weights import weight_cache
 from megamoe.backends.triton_mx.wgrad import mx_wgrad
 from megamoe.errors import UnsupportedSettingError
 from megamoe.quant.cache import WeightCache
@@ -72,8 +73,13 @@ class MXExperts:
     ``a_rows`` is None.
     """
 
-    def __init__(self, weights: WeightCache) -> None:
-        self.weight_cache = weights
+    name = "triton_mxfp8"
+
+    def __init__(self, weights: WeightCache | None = None) -> None:
+        self.weight_cache = weights if weights is not None else weight_cache()
+
+    row_plan = staticmethod(row_plan)
+    check_widths = staticmethod(check_widths)
 
     def _w(self, w_GYX: Tensor, *, transposed: bool) -> MXTensor:
         return self.weight_cache.get(w_GYX, transposed=transposed)

@@ -16,7 +16,7 @@ from benchmarks.accuracy import snr_db
 from megamoe import dispatch_grouped_gemm, fused_mega_moe
 from megamoe.backends import get_backend, resolve_backend_name
 from megamoe.backends.quantized_reference import MXFP8ReferenceBackend
-from megamoe.backends.triton_mx.backend import MXFP8TritonBackend
+from megamoe.backends.quantized_triton import QuantizedTritonBackend
 from megamoe.errors import UnsupportedSettingError
 from tests.megamoe.triton_mx.test_quantize import DEVICE
 
@@ -104,9 +104,8 @@ def test_mxfp8_backend_selection() -> None:
     assert resolve_backend_name("auto", device=cpu, dtype=torch.bfloat16, precision="mxfp8") == "reference"
     want = "reference" if torch.version.hip is not None else "triton"
     assert resolve_backend_name("auto", device=cuda, dtype=torch.bfloat16, precision="mxfp8") == want
-    assert isinstance(
-        get_backend("triton", device=cpu, dtype=torch.float32, precision="mxfp8"), MXFP8TritonBackend
-    )
+    triton_mx = get_backend("triton", device=cpu, dtype=torch.float32, precision="mxfp8")
+    assert isinstance(triton_mx, QuantizedTritonBackend) and triton_mx.name == "triton_mxfp8"
     assert isinstance(
         get_backend("auto", device=cpu, dtype=torch.float32, precision="mxfp8"), MXFP8ReferenceBackend
     )

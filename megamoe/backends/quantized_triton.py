@@ -1,0 +1,182 @@
+"""Quantised Triton expert backends (``mxfp8``, ``fp8``): an expert-math part over a transport.
+
+Legend: T tokens, H hidden, I intermediate, G local experts, K top-k, R = T*K expert-sorted rows
+(dropped slots padded at the end).
+
+The expert math is :class:`~megamoe.backends.triton_mx.experts.MXExperts` (OCP MX, per-32 scales) or
+:class:`~megamoe.backends.triton_fp8.experts.FP8Experts` (DeepSeek-V3's blockwise FP8, per-128
+promotion): each quantises inside its producers (the rowwise quantiser at the source, the SwiGLU
+passes, the along-R segment quantisers) and runs its E4M3 GEMMs, with weights from its
+:class:`~megamoe.quant.cache.WeightCache` (refreshed per optimizer step). The emulation's table
+(:mod:`megamoe.backends.quantized_reference`) says which operand is quantised how.
+
+    stage 1 fwd   q(x) rowwise at the source [T, H]; h = q(x)[row_token] q(W1)^T   (dispatch = row gather)
+    stage 2 fwd   q(a) from the SwiGLU pass; o = q(a) q(W2)^T; y = sum_k w o (fp32)   the bf16 path's combine
+    stage 2 bwd   da = q(dy)[row_token] q(W2^T)^T; dh, <da, a>, q(w a) in one SwiGLU-backward pass;
+                  dW2 = q(dy)^T q(w a) along R
+    stage 1 bwd   dx = sum_k q(dh) q(W1^T)^T (GEMM + combine); dW1 = q(dh)^T q(x) along R
+
+This module moves rows around that math over a transport's :class:`~megamoe.backends.triton.rows.Rows`:
+one GPU, or ``all_to_all_single`` for EP over any process group (split sizes read on the host, so not
+capturable); the kernels then see the received rows as tokens with one slot each. Both move bf16
+rows and quantise them on the expert's rank, bit-identical to quantising at the source because
+rowwise tiles commute with moving rows. EP over symmetric memory for ``mxfp8`` is
+:class:`~megamoe.backends.triton_mx.ep_symm.MXFP8SymmBackend`. The steps are plain Python around
+Triton launches: eager and CUDA graphs, not ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch.distributed as dist
+from torch import Tensor
+
+from megamoe.backends.base import StagedBackend
+from megamoe.backends.triton.combine import combine
+from megamoe.backends.triton.configs import block_m
+from megamoe.backends.triton.routing import RoutingPlan
+from megamoe.backends.triton.rows import Rows, Transport
+from megamoe.quant.cache import WeightCache
+
+
+class RowExperts(Protocol):
+    """The quantised expert math on rows already on this rank (``rows`` are ``[T, H]`` read through
+    ``a_rows [R]``, or ``[R, H]`` in row order when ``a_rows`` is None)."""
+
+    name: str
+    weight_cache: WeightCache
+
+    def row_plan(self, routing: RoutingPlan) -> Any:
+        """Its block tables over ``routing``'s rows (device-side, no host sync); has ``.routing``."""
+
+    def check_widths(self, hidden: int, inter: int) -> None: ...
+
+    def gemm1(self, rows: Tensor, w1_G2IH: Tensor, plan: Any, a_rows: Tensor | None) -> Tensor: ...
+
+    def gemm2(self, h_R2I: Tensor, w2_GHI: Tensor, plan: Any) -> Tensor: ...
+
+    def gemm2_backward(
+        self,
+        h_R2I: Tensor,
+        weights_R: Tensor,
+        w2_GHI: Tensor,
+        plan: Any,
+        dy_rows: Tensor,
+        a_rows: Tensor | None,
+        need_dw2: bool,
+    ) -> tuple[Tensor, Tensor, Tensor | None]: ...
+
+    def dgrad1(self, grad_h_R2I: Tensor, w1_G2IH: Tensor, plan: Any) -> Tensor: ...
+
+    def wgrad1(
+        self, grad_h_R2I: Tensor, rows: Tensor, w1_G2IH: Tensor, plan: Any, a_rows: Tensor | None
+    ) -> Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedPlan:
+    """Device routing of one forward (reused by its backward): the transport's rows and the expert
+    math's block tables over them."""
+
+    rows: Any
+    moved: Rows
+
+
+class QuantizedTritonBackend(StagedBackend):
+    """Implements :class:`~megamoe.backends.base.ExpertBackend` with ``experts`` over ``transport``."""
+
+    def __init__(self, transport: Transport, experts: RowExperts) -> None:
+        self.transport = transport
+        self.experts = experts
+        self.name = experts.name
+        self.weight_cache = experts.weight_cache
+
+    def make_plan(
+        self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None
+    ) -> QuantizedPlan:
+        bm = block_m(topk_idx_TK.device)
+        moved = self.transport.rows(topk_idx_TK, num_experts=num_experts, group=group, block_m=bm)
+        return QuantizedPlan(self.experts.row_plan(moved.routing), moved)
+
+    def stage1_forward(
+        self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: QuantizedPlan
+    ) -> tuple[Tensor | None, ...]:
+        self.experts.check_widths(x_TH.shape[1], w1_G2IH.shape[1] // 2)
+        r = plan.rows.routing
+        rows, weights_R = plan.moved.tokens_in(x_TH), plan.moved.weights_in(topk_weights_TK)
+        return self.experts.gemm1(rows, w1_G2IH, plan.rows, r.row_token_R), weights_R, None
+
+    def stage2_forward(
+        self,
+        h_R2I: Tensor,
+        dispatch_weights_R: Tensor,
+        w2_GHI: Tensor,
+        plan: QuantizedPlan,
+        act_RI: Tensor | None = None,
+    ) -> Tensor:
+        """``act_RI`` is ignored: the SwiGLU pass is where ``q(a)`` is made (stage 1 never makes one)."""
+        r = plan.rows.routing
+        h = h_R2I.contiguous()
+        y = h.new_empty(r.num_tokens, w2_GHI.shape[1])  # the combine writes every token
+        if not h.shape[0]:
+            y.zero_()
+        else:
+            o = self.experts.gemm2(h, w2_GHI, plan.rows)
+            combine(o, r.slot_row_S, y, topk=r.topk, weights_R=dispatch_weights_R.contiguous())
+        return plan.moved.tokens_out(y, h_R2I.dtype)
+
+    def stage2_backward(
+        self,
+        h_R2I: Tensor,
+        dispatch_weights_R: Tensor,
+        w2_GHI: Tensor,
+        plan: QuantizedPlan,
+        dy_TH: Tensor,
+        needs_grad: tuple[bool, bool, bool],
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        need_dh, need_dweights, need_dw2 = needs_grad
+        r = plan.rows.routing
+        dh, d_weights, dw2 = self.experts.gemm2_backward(
+            h_R2I.contiguous(),
+            dispatch_weights_R.contiguous(),
+            w2_GHI,
+            plan.rows,
+            plan.moved.tokens_in(dy_TH.to(h_R2I.dtype)),
+            r.row_token_R,
+            need_dw2,
+        )
+        return (
+            dh if need_dh else None,
+            d_weights.to(dispatch_weights_R.dtype) if need_dweights else None,
+            dw2,
+        )
+
+    def stage1_backward(
+        self,
+        x_TH: Tensor,
+        w1_G2IH: Tensor,
+        plan: QuantizedPlan,
+        grad_h_R2I: Tensor,
+        grad_dispatch_weights_R: Tensor,
+        needs_grad: tuple[bool, bool, bool],
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        need_dx, need_dweights, need_dw1 = needs_grad
+        r = plan.rows.routing
+        rows = plan.moved.tokens_in(x_TH)
+        grad_h = grad_h_R2I.contiguous()
+        dx = d_weights = dw1 = None
+        if need_dx:
+            dx = rows.new_empty(rows.shape)  # the combine writes every token
+            if not grad_h.shape[0]:
+                dx.zero_()
+            else:
+                dx_rows = self.experts.dgrad1(grad_h, w1_G2IH, plan.rows)
+                combine(dx_rows, r.slot_row_S, dx, topk=r.topk, weights_R=None)
+            dx = plan.moved.tokens_out(dx, x_TH.dtype)
+        if need_dw1:
+            dw1 = self.experts.wgrad1(grad_h, rows, w1_G2IH, plan.rows, r.row_token_R)
+        if need_dweights:
+            d_weights = plan.moved.slot_values_out(grad_dispatch_weights_R)
+        return dx, d_weights, dw1

@@ -1,0 +1,34 @@
+"""Tile shapes of the FP8 kernels, from static shapes only (no autotuning: it syncs and breaks capture).
+
+A K stage is one 128-deep tile (one scale per operand row), and ``block_n`` divides 128 so an output
+tile's columns share one weight scale per stage. After each 128-deep E4M3 MMA its fp32 partial is
+scaled and added on the CUDA cores (one FMA per element, a quarter of MXFP8's per-32 cost); Triton
+waits for the MMA before that FMA, so two programs per SM overlap each other's MMA and FMA.
+``benchmarks/sweep_fp8_gemm.py`` times the candidates (docs/fp8.md). The CPU interpreter gets tiny
+M and N tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megamoe.backends.triton.configs import BLOCK_M_CPU, BLOCK_M_GPU, TileConfig
+
+GPU_GEMM = TileConfig(
+    block_m=BLOCK_M_GPU, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4, programs_per_sm=1
+)
+"""M-grouped FP8 GEMM on CUDA (block_m is the routing plan's)."""
+GPU_WGRAD = TileConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)
+"""K-grouped FP8 weight gradient on CUDA."""
+_CPU_GEMM = TileConfig(block_m=BLOCK_M_CPU, block_n=16, block_k=128, num_warps=1, num_stages=1)
+_CPU_WGRAD = TileConfig(block_m=16, block_n=16, block_k=128, num_warps=1, num_stages=1)
+
+
+def gemm_config(device: torch.device) -> TileConfig:
+    """Tile of the M-grouped FP8 GEMM (every row-grouped GEMM: fc1/fc2 forward and dgrad)."""
+    return GPU_GEMM if device.type == "cuda" else _CPU_GEMM
+
+
+def wgrad_config(device: torch.device) -> TileConfig:
+    """Tile of the K-grouped FP8 weight-gradient GEMM."""
+    return GPU_WGRAD if device.type == "cuda" else _CPU_WGRAD

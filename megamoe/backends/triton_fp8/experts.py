@@ -1,0 +1,174 @@
+"""The FP8 expert computation on rows that are already on this rank, whatever moved them there.
+
+Legend: R expert-sorted rows (static; rows past ``expert_start[G]`` are padding), H hidden,
+I intermediate, G local experts, NB = ceil(R / 128) + G block slots of 128 rows along R.
+
+The same steps as :class:`~megamoe.backends.triton_mx.experts.MXExperts`, in DeepSeek-V3's blockwise
+format (the emulation's table, :mod:`megamoe.backends.quantized_reference`):
+
+    fc1 fwd    h = t(x)[row_token] b(W1)^T          rowwise quantiser at the source, GEMM gathers rows
+    fc2 fwd    o = t(a) b(W2)^T                     SwiGLU pass emits t(a)
+    fc2 dgrad  da = t(dy)[row_token] b(W2^T)^T      fp32 out; SwiGLU backward emits dh, d_w, t(w a)
+    fc2 wgrad  dW2 = t(dy)^T t(w a) along R         segment quantiser (dy gathered) + K-grouped GEMM
+    fc1 dgrad  dx rows = t(dh) b(W1^T)^T            rowwise quantiser + GEMM; the transport combines
+    fc1 wgrad  dW1 = t(dh)^T t(x) along R           segment quantiser (x gathered) + K-grouped GEMM
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megamoe.backends.triton.configs import num_programs
+from megamoe.backends.triton.padding import zero_padding_rows
+from megamoe.backends.triton.routing import RoutingPlan
+from megamoe.backends.triton_fp8.configs import gemm_config, wgrad_config
+from megamoe.backends.triton_fp8.fp8_math import TILE
+from megamoe.backends.triton_fp8.grouped_gemm import fp8_grouped_gemm
+from megamoe.backends.triton_fp8.quantize import quantize_rows, quantize_segments, segment_block_starts
+from megamoe.backends.triton_fp8.swiglu import swiglu_backward_quant, swiglu_quant
+from megamoe.backends.triton_fp8.weights import weight_cache
+from megamoe.backends.triton_fp8.wgrad import fp8_wgrad
+from megamoe.errors import UnsupportedSettingError
+from megamoe.quant.cache import WeightCache
+from megamoe.quant.fp8 import FP8Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """The rows' routing over the local experts and the wgrad's 128-row block slots along R."""
+
+    routing: RoutingPlan
+    block_start_G1: Tensor
+    """first block slot of each expert's rows (``ceil(rows / 128)`` slots each), on the device."""
+    num_blocks: int
+    """static bound on the block slots: ``ceil(R / 128) + G``."""
+
+    @property
+    def valid_rows_1(self) -> Tensor:
+        return self.routing.expert_start_G1[-1:]
+
+
+class FP8Experts:
+    """The FP8 GEMMs, SwiGLU passes and wgrads of the expert stages.
+
+    ``rows`` arguments are ``[T, H]`` read through ``a_rows [R]``, or ``[R, H]`` in row order when
+    ``a_rows`` is None.
+    """
+
+    name = "triton_fp8"
+
+    def __init__(self, weights: WeightCache | None = None) -> None:
+        self.weight_cache = weights if weights is not None else weight_cache()
+
+    @staticmethod
+    def row_plan(routing: RoutingPlan) -> RowPlan:
+        """The block slots of ``routing``'s rows (one small device launch, no host sync)."""
+        num_blocks = -(-routing.num_rows // TILE) + routing.num_experts
+        return RowPlan(routing, segment_block_starts(routing.expert_start_G1), num_blocks)
+
+    @staticmethod
+    def check_widths(hidden: int, inter: int) -> None:
+        for name, value in (("hidden size H", hidden), ("intermediate size I", inter)):
+            if value % 16:
+                raise UnsupportedSettingError(
+                    name,
+                    value,
+                    "the FP8 Triton kernels read E4M3 rows by TMA, which needs 16-byte row strides",
+                    "Use a multiple of 16, or backend='reference' with precision='fp8'",
+                )
+
+    def _w(self, w_GYX: Tensor, *, transposed: bool) -> FP8Tensor:
+        return self.weight_cache.get(w_GYX, transposed=transposed)
+
+    @staticmethod
+    def _gemm(a: FP8Tensor, b: FP8Tensor, out: Tensor, plan: RowPlan, a_rows: Tensor | None) -> None:
+        device = out.device
+        fp8_grouped_gemm(
+            a, b, out, plan.routing, config=gemm_config(device), num_sms=num_programs(device), a_rows=a_rows
+        )
+
+    @staticmethod
+    def _wgrad(p: FP8Tensor, q: FP8Tensor, out: Tensor, plan: RowPlan) -> Tensor:
+        fp8_wgrad(
+            p, q, out, plan.block_start_G1, config=wgrad_config(out.device), num_sms=num_programs(out.device)
+        )
+        return out
+
+    @staticmethod
+    def _along_r(src: Tensor, plan: RowPlan, index_R: Tensor | None) -> FP8Tensor:
+        r = plan.routing
+        return quantize_segments(
+            src, r.expert_start_G1, plan.block_start_G1, plan.num_blocks, index_R=index_R
+        )
+
+    @staticmethod
+    def _rowwise(rows: Tensor, plan: RowPlan, a_rows: Tensor | None) -> FP8Tensor:
+        """Rowwise tiles of the rows a GEMM reads (in row order: the valid ones only)."""
+        return quantize_rows(rows, valid_rows_1=None if a_rows is not None else plan.valid_rows_1)
+
+    def gemm1(self, rows: Tensor, w1_G2IH: Tensor, plan: RowPlan, a_rows: Tensor | None) -> Tensor:
+        """``h [R, 2I] = t(x) b(W1)^T``, padding rows zero."""
+        r = plan.routing
+        h = rows.new_empty(r.num_rows, w1_G2IH.shape[1])
+        if h.numel():
+            self._gemm(self._rowwise(rows, plan, a_rows), self._w(w1_G2IH, transposed=False), h, plan, a_rows)
+            zero_padding_rows(h, r.expert_start_G1)
+        return h
+
+    def gemm2(self, h_R2I: Tensor, w2_GHI: Tensor, plan: RowPlan) -> Tensor:
+        """``o [R, H] = t(swiglu(h)) b(W2)^T`` (the combine's input, unweighted; padding rows not written)."""
+        o = h_R2I.new_empty(h_R2I.shape[0], w2_GHI.shape[1])
+        if o.numel():
+            self._gemm(
+                swiglu_quant(h_R2I, plan.valid_rows_1), self._w(w2_GHI, transposed=False), o, plan, None
+            )
+        return o
+
+    def gemm2_backward(
+        self,
+        h_R2I: Tensor,
+        weights_R: Tensor,
+        w2_GHI: Tensor,
+        plan: RowPlan,
+        dy_rows: Tensor,
+        a_rows: Tensor | None,
+        need_dw2: bool,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(dh [R, 2I], d_weights [R] fp32, dW2 or None)`` from ``dy``'s rows; padding rows zero."""
+        r = plan.routing
+        R, inter = h_R2I.shape[0], h_R2I.shape[1] // 2
+        dh = h_R2I.new_empty(R, 2 * inter)
+        d_weights = torch.zeros(R, dtype=torch.float32, device=h_R2I.device)
+        dw2 = torch.zeros_like(w2_GHI) if need_dw2 else None
+        if R:
+            da = torch.empty(R, inter, dtype=torch.float32, device=h_R2I.device)
+            self._gemm(
+                self._rowwise(dy_rows, plan, a_rows), self._w(w2_GHI, transposed=True), da, plan, a_rows
+            )
+            aw = swiglu_backward_quant(
+                h_R2I, da, weights_R, dh, d_weights, r.expert_start_G1, plan.block_start_G1, plan.num_blocks
+            )
+            zero_padding_rows(dh, r.expert_start_G1)
+            if need_dw2:
+                self._wgrad(self._along_r(dy_rows, plan, a_rows), aw, dw2, plan)
+        return dh, d_weights, dw2
+
+    def dgrad1(self, grad_h_R2I: Tensor, w1_G2IH: Tensor, plan: RowPlan) -> Tensor:
+        """``dx rows [R, H] = t(dh) b(W1^T)^T`` (the combine's input; padding rows not written)."""
+        out = grad_h_R2I.new_empty(grad_h_R2I.shape[0], w1_G2IH.shape[2])
+        if out.numel():
+            g_rows = quantize_rows(grad_h_R2I, valid_rows_1=plan.valid_rows_1)
+            self._gemm(g_rows, self._w(w1_G2IH, transposed=True), out, plan, None)
+        return out
+
+    def wgrad1(
+        self, grad_h_R2I: Tensor, rows: Tensor, w1_G2IH: Tensor, plan: RowPlan, a_rows: Tensor | None
+    ) -> Tensor:
+        """``dW1 = t(dh)^T t(x)``, both along R."""
+        dw1 = torch.zeros_like(w1_G2IH)
+        if grad_h_R2I.shape[0]:
+            self._wgrad(self._along_r(grad_h_R2I, plan, None), self._along_r(rows, plan, a_rows), dw1, plan)
+        return dw1

@@ -1,0 +1,263 @@
+"""Blockwise FP8 quantisers: rows in 1×128 tiles, rows along R per expert (the wgrad operands), and
+weights in 128×128 blocks.
+
+Legend: R rows, X columns, G segments (experts) ``[row_start[g], row_start[g+1])``, NB 128-row block
+slots along R, KB = ceil(X / 128).
+
+* :func:`quantize_rows` — ``[R, X]`` → E4M3 ``[R, X]`` + scales ``[R, KB]`` (stored ``[KB, R]``: a GEMM
+  tile reads one K tile's scales of its rows as one line). The producer of every rowwise GEMM operand
+  not fused elsewhere: ``x`` and ``dy`` at the source (rowwise tiles commute with the row gather),
+  ``dh`` for the fc1 dgrad.
+* :func:`quantize_segments` — the packed wgrad operand: E4M3 ``[X, 128 NB]`` (R contiguous, what
+  Hopper's FP8 MMA wants for a reduction over R) + scales ``[X, NB]``; segment g from column
+  ``128 block_start[g]``, its last tile zero-padded. ``index`` fuses the dispatch gather.
+* :func:`quantize_weight` — ``w [G, Y, X]`` (or its transposed view) in 128×128 blocks, into a
+  contiguous ``[G, Y, X]`` form + scales ``[G, ceil(Y / 128), ceil(X / 128)]``.
+
+Each is bit-identical to :mod:`megamoe.quant.fp8` (``quantize_fp8(src, dim=1)``,
+``quantize_fp8(src[segment], dim=0)`` per segment, ``quantize_fp8_blocks``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from megamoe.backends.triton_fp8.fp8_math import (
+    TILE,
+    quantize_along_cols,
+    quantize_along_rows,
+    quantize_block,
+)
+from megamoe.backends.triton_mx.mx_math import segment_of_block
+from megamoe.quant.fp8 import FP8Tensor
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    src_ptr,
+    data_ptr,
+    scale_ptr,
+    valid_rows_ptr,
+    R,
+    X,
+    stride_src,
+    stride_scale_r,
+    stride_scale_k,
+    HAS_VALID: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    TILES: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    limit = R
+    if HAS_VALID:
+        limit = tl.minimum(tl.load(valid_rows_ptr), R)
+    row_ok = rows < limit
+    cols = tl.program_id(1) * (TILES * 128) + tl.arange(0, TILES * 128)
+    mask = row_ok[:, None] & (cols < X)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    v = tl.load(src_ptr + rows64 * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    elements, scales = quantize_along_cols(v, TILES)
+    tl.store(data_ptr + rows64 * X + cols[None, :], elements.to(tl.uint8), mask=mask)
+    tiles = tl.program_id(1) * TILES + tl.arange(0, TILES)
+    scale_ptrs = scale_ptr + rows64 * stride_scale_r + tiles[None, :].to(tl.int64) * stride_scale_k
+    tl.store(scale_ptrs, scales, mask=row_ok[:, None] & (tiles * 128 < X)[None, :])
+
+
+def empty_rows(rows: int, cols: int, device: torch.device) -> FP8Tensor:
+    """Uninitialised ``[rows, cols]`` FP8 buffers in 1×128 tiles along each row, scales stored ``[KB, rows]``."""
+    tiles = -(-cols // TILE)
+    return FP8Tensor(
+        data=torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device),
+        scale=torch.empty(tiles, rows, dtype=torch.float32, device=device).t(),
+        tile=(1, TILE),
+    )
+
+
+def _check_rows(src_RX: Tensor) -> None:
+    if src_RX.dim() != 2 or src_RX.stride(1) != 1:
+        raise ValueError(
+            f"src_RX: expected a [R, X] tensor with unit column stride, got {tuple(src_RX.shape)}"
+        )
+
+
+def row_block(cols: int, device: torch.device) -> tuple[int, int]:
+    """``(rows, 128-column tiles)`` one program of a rowwise pass over ``cols`` columns handles."""
+    if device.type != "cuda":
+        return 8, 1
+    tiles = min(triton.next_power_of_2(-(-cols // TILE)), 2)
+    return max(1, 4096 // (tiles * TILE)), tiles
+
+
+def quantize_rows(src_RX: Tensor, *, valid_rows_1: Tensor | None = None) -> FP8Tensor:
+    """``src_RX`` in 1×128 tiles along each row; ``valid_rows_1`` (a one-element device tensor) limits
+    the work to the first rows (the rest is left unwritten). Any float dtype, unit column stride."""
+    _check_rows(src_RX)
+    R, X = src_RX.shape
+    out = empty_rows(R, X, src_RX.device)
+    if R == 0 or X == 0:
+        return out
+    block_r, tiles = row_block(X, src_RX.device)
+    _quantize_rows_kernel[(triton.cdiv(R, block_r), triton.cdiv(X, tiles * TILE))](
+        src_RX,
+        out.data.view(torch.uint8),
+        out.scale,
+        valid_rows_1,
+        R,
+        X,
+        src_RX.stride(0),
+        out.scale.stride(0),
+        out.scale.stride(1),
+        HAS_VALID=valid_rows_1 is not None,
+        BLOCK_R=block_r,
+        TILES=tiles,
+        num_warps=1 if src_RX.device.type != "cuda" else 4,
+    )
+    return out
+
+
+@triton.jit
+def _quantize_segments_kernel(
+    src_ptr,
+    index_ptr,
+    row_start_ptr,
+    block_start_ptr,
+    data_ptr,
+    scale_ptr,
+    G,
+    X,
+    stride_src,
+    stride_data,
+    stride_scale_x,
+    stride_scale_b,
+    HAS_INDEX: tl.constexpr,
+    BINS: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+):
+    block = tl.program_id(0)
+    g, first_block = segment_of_block(block_start_ptr, block, G, BINS)
+    if g < G:
+        lanes = tl.arange(0, 128)
+        rows = tl.load(row_start_ptr + g) + (block - first_block) * 128 + lanes
+        row_ok = rows < tl.load(row_start_ptr + g + 1)
+        if HAS_INDEX:
+            src_rows = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        else:
+            src_rows = rows.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
+        col_ok = cols < X
+        v = tl.load(
+            src_ptr + src_rows[:, None] * stride_src + cols[None, :],
+            mask=row_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        elements, scales = quantize_along_rows(v)
+        ptrs = data_ptr + cols[:, None].to(tl.int64) * stride_data + block * 128 + lanes[None, :]
+        # a mask constant along the lanes keeps 16-byte stores (the zero lanes past the segment are written)
+        tl.store(ptrs, tl.trans(elements).to(tl.uint8), mask=col_ok[:, None] & (lanes < 128)[None, :])
+        tl.store(scale_ptr + cols.to(tl.int64) * stride_scale_x + block * stride_scale_b, scales, mask=col_ok)
+
+
+def segment_block_starts(row_start_G1: Tensor) -> Tensor:
+    """``block_start [G + 1]`` (int32, on the device, no sync): exclusive prefix sum of ``ceil(rows / 128)``.
+    A static bound on the slots: ``ceil(R / 128) + G``."""
+    blocks = (row_start_G1[1:] - row_start_G1[:-1] + TILE - 1) // TILE
+    return torch.cat([blocks.new_zeros(1), torch.cumsum(blocks, 0)]).to(torch.int32)
+
+
+def empty_segments(cols: int, num_blocks: int, device: torch.device) -> FP8Tensor:
+    """Uninitialised packed along-R operand: E4M3 ``[cols, 128 num_blocks]``, scales ``[cols, num_blocks]``
+    stored ``[num_blocks, cols]``."""
+    return FP8Tensor(
+        data=torch.empty(cols, num_blocks * TILE, dtype=torch.float8_e4m3fn, device=device),
+        scale=torch.empty(num_blocks, cols, dtype=torch.float32, device=device).t(),
+        tile=(1, TILE),
+    )
+
+
+def quantize_segments(
+    src_RX: Tensor,
+    row_start_G1: Tensor,
+    block_start_G1: Tensor,
+    num_blocks: int,
+    *,
+    index_R: Tensor | None = None,
+) -> FP8Tensor:
+    """The packed wgrad operand of ``src_RX`` (rows ``src_RX[index_R[r]]`` with ``index_R``: the fused
+    dispatch gather): columns past ``128 block_start[G]`` are left unwritten and never read."""
+    _check_rows(src_RX)
+    X = src_RX.shape[1]
+    G = row_start_G1.shape[0] - 1
+    out = empty_segments(X, num_blocks, src_RX.device)
+    if num_blocks == 0 or X == 0 or G == 0:
+        return out
+    cuda = src_RX.device.type == "cuda"
+    block_x = min(triton.next_power_of_2(X), 64 if cuda else 16)
+    _quantize_segments_kernel[(num_blocks, triton.cdiv(X, block_x))](
+        src_RX,
+        index_R,
+        row_start_G1,
+        block_start_G1,
+        out.data.view(torch.uint8),
+        out.scale,
+        G,
+        X,
+        src_RX.stride(0),
+        out.data.stride(0),
+        out.scale.stride(0),
+        out.scale.stride(1),
+        HAS_INDEX=index_R is not None,
+        BINS=triton.next_power_of_2(G),
+        BLOCK_X=block_x,
+        num_warps=4 if cuda else 1,
+    )
+    return out
+
+
+@triton.jit
+def _quantize_blocks_kernel(src_ptr, data_ptr, scale_ptr, Y, X, stride_g, stride_y, stride_x):
+    g = tl.program_id(0).to(tl.int64)
+    by = tl.program_id(1)
+    bx = tl.program_id(2)
+    offs_y = by * 128 + tl.arange(0, 128)
+    offs_x = bx * 128 + tl.arange(0, 128)
+    mask = (offs_y < Y)[:, None] & (offs_x < X)[None, :]
+    ptrs = src_ptr + g * stride_g + offs_y[:, None].to(tl.int64) * stride_y + offs_x[None, :] * stride_x
+    v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    elements, scale = quantize_block(v)
+    out = data_ptr + g * Y * X + offs_y[:, None].to(tl.int64) * X + offs_x[None, :]
+    tl.store(out, elements.to(tl.uint8), mask=mask)
+    tl.store(scale_ptr + (g * tl.num_programs(1) + by) * tl.num_programs(2) + bx, scale)
+
+
+def empty_weight(shape: tuple[int, ...], device: torch.device) -> FP8Tensor:
+    """Uninitialised ``[G, Y, X]`` FP8 weight buffers in 128×128 blocks (scales contiguous)."""
+    G, Y, X = shape
+    return FP8Tensor(
+        data=torch.empty(shape, dtype=torch.float8_e4m3fn, device=device),
+        scale=torch.empty(G, -(-Y // TILE), -(-X // TILE), dtype=torch.float32, device=device),
+        tile=(1, TILE, TILE),
+    )
+
+
+def quantize_weight(source: Tensor, out: FP8Tensor) -> None:
+    """Fill ``out`` (:func:`empty_weight`) with ``source [G, Y, X]`` (``w`` or ``w.transpose(1, 2)``,
+    any strides) in 128×128 blocks: one pass, the transposed form read through the view."""
+    G, Y, X = source.shape
+    if tuple(out.data.shape) != (G, Y, X) or not out.data.is_contiguous() or not out.scale.is_contiguous():
+        raise ValueError(f"out: expected contiguous FP8 buffers [{G}, {Y}, {X}], got {tuple(out.data.shape)}")
+    if source.numel() == 0:
+        return
+    _quantize_blocks_kernel[(G, triton.cdiv(Y, TILE), triton.cdiv(X, TILE))](
+        source,
+        out.data.view(torch.uint8),
+        out.scale,
+        Y,
+        X,
+        source.stride(0),
+        source.stride(1),
+        source.stride(2),
+        num_warps=8 if source.device.type == "cuda" else 1,
+    )

@@ -1,0 +1,136 @@
+"""The FP8 Triton backend against the exact emulation (:class:`FP8ReferenceBackend`), on the CPU.
+
+Under ``TRITON_INTERPRET=1`` (float32 inputs) every kernel runs: the quantisers, the FP8 GEMMs with
+the gather, the SwiGLU passes, the wgrad and the combine. Both sides quantise the same float32 values
+to the same bytes (test_quantize.py), so what differs is the fp32 summation order and ``silu``'s last
+bit: SNR >= 60 dB against the emulation, per output. Ragged cases: H and I multiples of 16 but not of
+128 (short last K tiles; experts whose rows end inside a 128-row wgrad tile), more than one K tile,
+empty experts, dropped slots, all slots dropped, no tokens; EP = 2 over gloo.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.accuracy import snr_db
+from megamoe import fused_mega_moe
+from megamoe.backends import get_backend, resolve_backend_name
+from megamoe.backends.quantized_reference import FP8ReferenceBackend
+from megamoe.backends.quantized_triton import QuantizedTritonBackend
+from megamoe.errors import UnsupportedSettingError
+from megamoe.quant import advance_weight_generation
+from megamoe.settings import EPSettings
+from tests.megamoe.triton_mx.test_backend import GRADS, _case
+
+
+def _run(backend: str, x, idx, tw, w1, w2, dy, **kwargs) -> dict[str, torch.Tensor]:
+    leaves = [t.clone().requires_grad_() for t in (x, tw, w1, w2)]
+    y = fused_mega_moe(leaves[0], idx, *leaves[1:], backend=backend, precision="fp8", **kwargs)
+    grads = torch.autograd.grad(y, leaves, dy, allow_unused=True)
+    return dict(zip(GRADS, (y.detach(), *grads), strict=True))
+
+
+def _assert_matches(ours: dict, ref: dict, floor: float = 60.0, where: str = "") -> None:
+    for name in GRADS:
+        got, want = ours[name], ref[name]
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert torch.isfinite(got).all(), name
+        if want.numel() == 0 or want.abs().max() == 0:
+            assert (got == 0).all(), f"{where}{name}: expected zeros"
+            continue
+        assert snr_db(got, want) >= floor, f"{where}{name}: {snr_db(got, want):.1f} dB"
+
+
+@pytest.mark.parametrize(
+    ("T", "H", "I", "G", "K", "drop", "empty"),
+    [
+        pytest.param(150, 144, 160, 3, 2, 0.1, 1, marks=pytest.mark.slow),
+        (23, 48, 80, 5, 3, 0.15, 2),
+        (9, 16, 16, 4, 4, 1.0, 0),
+        (0, 32, 16, 3, 2, 0.0, 0),
+    ],
+    ids=["two-k-tiles-ragged-wgrad-tiles", "ragged-drops-empty-experts", "all-slots-dropped", "no-tokens"],
+)
+def test_triton_fp8_matches_emulation(
+    T: int, H: int, I: int, G: int, K: int, drop: float, empty: int
+) -> None:
+    case = _case(T, H, I, G, K, drop=drop, empty=empty)
+    _assert_matches(_run("triton", *case), _run("reference", *case))
+
+
+def test_triton_fp8_weight_cache_follows_an_optimizer_step() -> None:
+    """After an in-place update and ``advance_weight_generation`` (what the trainer does per step), the
+    kernels read the new weights: the result equals the emulation on them, not the cached old ones."""
+    x, idx, tw, w1, w2, dy = _case(12, 32, 32, 2, 2, drop=0.0, seed=4)
+    w1, w2 = w1.requires_grad_(), w2.requires_grad_()  # one parameter tensor each, as in training
+    backend = get_backend("triton", device=x.device, dtype=x.dtype, precision="fp8")
+
+    def step() -> torch.Tensor:
+        return fused_mega_moe(x, idx, tw, w1, w2, backend="triton", precision="fp8").detach()
+
+    advance_weight_generation()
+    first = step()
+    misses = backend.weight_cache.misses
+    assert torch.equal(step(), first)
+    assert backend.weight_cache.misses == misses  # served from the cache within the step
+    with torch.no_grad():
+        w1.mul_(-0.5)
+        w2.add_(0.25)
+    advance_weight_generation()
+    ours, ref = step(), _run("reference", x, idx, tw, w1.detach(), w2.detach(), dy)["y"]
+    assert backend.weight_cache.misses > misses
+    assert snr_db(ours, ref) >= 60.0, f"{snr_db(ours, ref):.1f} dB"
+
+
+def test_triton_fp8_width_not_a_multiple_of_16_names_the_setting() -> None:
+    x, idx, tw, w1, w2, _ = _case(4, 24, 16, 2, 1, drop=0.0)
+    with pytest.raises(UnsupportedSettingError, match=r"^hidden size H=24: .*Use a multiple of 16"):
+        fused_mega_moe(x, idx, tw, w1, w2, backend="triton", precision="fp8")
+
+
+def test_fp8_backend_selection() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_backend_name("auto", device=cpu, dtype=torch.bfloat16, precision="fp8") == "reference"
+    want = "reference" if torch.version.hip is not None else "triton"
+    assert resolve_backend_name("auto", device=cuda, dtype=torch.bfloat16, precision="fp8") == want
+    ours = get_backend("triton", device=cpu, dtype=torch.float32, precision="fp8")
+    assert isinstance(ours, QuantizedTritonBackend) and ours.name == "triton_fp8"
+    assert isinstance(
+        get_backend("auto", device=cpu, dtype=torch.float32, precision="fp8"), FP8ReferenceBackend
+    )
+    # EP > 1 on CUDA: FP8 moves its rows over NCCL unless a transport is set, and symm is refused
+    from megamoe.backends import transport_name
+
+    default = EPSettings.from_env({})
+    assert transport_name("triton", device=cuda, ep_size=2, settings=default, precision="fp8") == "nccl"
+    symm = EPSettings.from_env({"MEGAMOE_EP_TRANSPORT": "symm"})
+    with pytest.raises(UnsupportedSettingError, match="no symmetric-memory EP kernels"):
+        get_backend("triton", device=cuda, dtype=torch.bfloat16, precision="fp8", ep_size=2, settings=symm)
+
+
+def _ep_rank(rank: int, world: int, case: tuple) -> dict[str, dict[str, torch.Tensor]]:
+    import torch.distributed as dist
+
+    from tests.megamoe.triton.interpreter_compat import install
+
+    install()
+    x, idx, tw, w1, w2, dy = (t[rank] for t in case)
+    G = w1.shape[0] // world
+    local = [w[rank * G : (rank + 1) * G] for w in (w1, w2)]
+    return {
+        backend: _run(backend, x, idx, tw, *local, dy, group=dist.group.WORLD)
+        for backend in ("triton", "reference")
+    }
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors need TRITON_INTERPRET=1")
+def test_triton_fp8_ep2_over_gloo_matches_emulation_at_ep2(tmp_path) -> None:
+    """EP = 2 through the NCCL/gloo TokenExchange (bf16 rows exchanged, quantised after), ragged T."""
+    from tests._dist import run_ranks
+
+    per_rank = [_case(T, 32, 16, 4, 2, drop=0.1, seed=s, device="cpu") for s, T in ((1, 11), (2, 6))]
+    w1, w2 = per_rank[0][3], per_rank[0][4]
+    case = tuple([c[i] if i not in (3, 4) else (w1, w2)[i - 3] for c in per_rank] for i in range(6))
+    for rank, got in enumerate(run_ranks(_ep_rank, 2, tmp_path, case)):
+        _assert_matches(got["triton"], got["reference"], where=f"rank {rank} ")
