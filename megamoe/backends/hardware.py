@@ -28,7 +28,7 @@ def mxfp8_speed_warning(capability: tuple[int, int]) -> str | None:
         f"precision='mxfp8' on a GPU of compute capability {major}.{minor}, without block-scaled MMA: "
         "the MXFP8 kernels run at about 0.35x the bf16 path here, because each 32-deep E4M3 MMA's partial "
         "sum is rescaled on the CUDA cores. precision='fp8' (DeepSeek-V3's blockwise FP8, promoted every "
-        "128 of K) is the format for this GPU; its kernels are not there yet (docs/fp8.md)"
+        "128 of K) is the format for this GPU, with Triton kernels for it (docs/fp8.md)"
     )
 
 

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from megamoe.backends import BACKEND_NAMES
+from megamoe.backends import BACKEND_NAMES, transport_name
 from megamoe.errors import InvalidConfigError, UnsupportedSettingError
 from megamoe.quant.precision import check_precision
 from megamoe.router import check_force_load_balancing
@@ -177,13 +177,20 @@ def decide_mega_moe(config, options: MegaMoEOptions) -> MegaMoEDecision:
     ep = config.expert_model_parallel_size
     precision = options.precision
     triton_kernels = on_gpu and torch.version.hip is None and options.backend in ("auto", "triton")
-    if precision == "mxfp8":
-        precision += " (Triton MXFP8 kernels)" if triton_kernels else " (exact emulation)"
-    elif precision == "fp8":  # no FP8 kernels yet
-        precision += " (exact emulation)"
+    if precision in ("mxfp8", "fp8"):
+        precision += f" (Triton {precision.upper()} kernels)" if triton_kernels else " (exact emulation)"
     exchange = ""
-    if ep > 1 and on_gpu:  # the Triton backends, bf16 and MXFP8, take the EP transport; the rest NCCL
-        exchange = f", EP exchange={options.ep.transport_for('cuda') if triton_kernels else 'nccl'}"
+    if ep > 1 and on_gpu:  # the Triton backends take the EP transport (FP8: NCCL unless set); the rest NCCL
+        transport = "nccl"
+        if triton_kernels:
+            transport = transport_name(
+                "triton",
+                device=torch.device("cuda"),
+                ep_size=ep,
+                settings=options.ep,
+                precision=options.precision,
+            )
+        exchange = f", EP exchange={transport}"
     return MegaMoEDecision(
         True,
         f"MoELayer replaced by MegaMoE: enable_primus_turbo and use_turbo_mega_moe on, TP=1, "

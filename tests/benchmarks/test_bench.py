@@ -23,6 +23,27 @@ def test_bench_rejects_unknown_model_and_mxfp8_stage_modes():
     assert result.exit_code == 2 and "--mode layer only" in result.output
 
 
+def test_bench_fp8_is_layer_mode_on_one_gpu_and_times_fp8_mxfp8_and_bf16():
+    from benchmarks import bench
+
+    runner = CliRunner()
+    result = runner.invoke(main, ["--models", "DeepSeek-V3", "--precision", "fp8", "--dry-run"])
+    assert result.exit_code == 0 and "precision=fp8" in result.output, result.output
+    for bad in (["--mode", "dispatch_grouped_gemm"], ["--num-processes", "2"]):
+        result = runner.invoke(main, ["--precision", "fp8", *bad, "--dry-run"])
+        assert result.exit_code == 2 and "fp8 is benchmarked" in result.output, result.output
+    x = torch.zeros(4, 16)
+    inputs = (
+        x,
+        torch.zeros(4, 2, dtype=torch.long),
+        torch.ones(4, 2),
+        torch.zeros(2, 32, 16),
+        torch.zeros(2, 16, 16),
+    )
+    assert [impl for impl, _, _ in bench._cases("layer", inputs, "fp8")] == ["megamoe", "mxfp8", "baseline"]
+    assert [impl for impl, _, _ in bench._cases("layer", inputs, "mxfp8")] == ["megamoe", "baseline"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benchmark would run")
 def test_bench_without_gpu_says_so():
     result = CliRunner().invoke(main, ["--models", "Qwen3-30B-A3B"])

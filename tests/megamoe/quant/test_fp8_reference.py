@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megamoe import UnsupportedSettingError, dispatch_grouped_gemm, fused_mega_moe, grouped_gemm_combine
-from megamoe.backends import get_backend, resolve_backend_name
+from megamoe.backends import get_backend
 from megamoe.backends.quantized_reference import FP8ReferenceBackend
 from tests._dist import run_ranks
 from tests.megamoe.quant.cases import GRADS, ep_rank_errors, output_grad, run, snr_db, spread
@@ -89,32 +89,10 @@ def test_fp8_bf16_inputs_give_bf16_outputs_and_gradients():
 # ---------------------------------------------------------------- backend choice
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_fp8_auto_resolves_to_the_exact_emulation_everywhere(device):
-    """No FP8 kernels yet: ``auto`` never picks Triton for fp8, even for bf16 on CUDA."""
-    name = resolve_backend_name("auto", device=torch.device(device), dtype=torch.bfloat16, precision="fp8")
-    assert name == "reference"
-
-
-def test_fp8_get_backend_gives_the_fp8_emulation():
+def test_fp8_get_backend_gives_the_fp8_emulation_on_cpu():
+    """``auto`` on the CPU; on CUDA it picks the Triton FP8 kernels (tests/megamoe/triton_fp8)."""
     backend = get_backend("auto", device=torch.device("cpu"), dtype=torch.float32, precision="fp8")
     assert isinstance(backend, FP8ReferenceBackend) and backend.recipe.precision == "fp8"
-
-
-def test_fp8_with_the_triton_backend_says_there_are_no_kernels_yet():
-    c = make_case(tokens=[4], hidden=32, inter=32, experts=2, topk=1, seed=6)
-    with pytest.raises(
-        UnsupportedSettingError,
-        match=r"^backend='triton': precision='fp8' has no Triton kernels yet\. Use backend='auto' or "
-        r"'reference' \(the exact emulation, slow: see docs/fp8\.md\), or precision='mxfp8'",
-    ):
-        fused_mega_moe(
-            *(c[k][0] for k in ("x", "topk_idx", "topk_weights")),
-            c["w1"],
-            c["w2"],
-            backend="triton",
-            precision="fp8",
-        )
 
 
 def test_fp8_on_primus_turbo_names_the_setting():
