@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from tests.megamoe.sm90 import assert_compiles_for_sm90
 
-
 # ptxas's spill bytes today (a bound, so that growth is still caught): the weight quantiser's transposed
 # read holds a [128, 128] fp32 block through a layout change; it runs once per optimizer step
 KNOWN_SPILLS = {"quantize weight blocks, transposed view": 496}
