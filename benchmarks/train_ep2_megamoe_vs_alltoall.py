@@ -34,19 +34,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import train_runs
+from benchmarks.train_runs import ROOT, RunSummary, fmt, parse_moe_block, parse_summary, run_logged
+
 DEFAULT_CONFIG = ROOT / "examples/megatron/configs/H200/deepseek_v3_4layer_ep2-BF16-pretrain.yaml"
 OUT_ENV = "MEGAMOE_BENCH_OUT"
 
@@ -79,58 +74,6 @@ TINY_ARGS = (
     "--rotary_scaling_factor", "1.0", "--init_method_std", "0.02", "--bf16", "False",
     "--train_iters", "4", "--log_avg_skip_iterations", "1",
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    """The trainer's ``summary:`` line (``megamoe.train.loop.Summary.text``), parsed; iterations as
-    printed (``trained iterations 1..15``), numbers to the digits printed."""
-
-    first_iteration: int
-    last_iteration: int
-    first_loss: float | None
-    last_loss: float | None
-    step_ms: float | None
-    tokens_per_s: float | None
-    tflops_per_gpu: float | None
-    peak_mem_gib: float
-
-
-_NUM = r"(n/a|[-+0-9.,eEinfa]+)"
-SUMMARY_RE = re.compile(
-    rf"summary: trained iterations (\d+)\.\.(\d+) \| lm loss {_NUM} -> {_NUM} \| step {_NUM} ms \| "
-    rf"{_NUM} tokens/s \| {_NUM} TFLOP/s/GPU \| peak mem {_NUM} GiB"
-)
-MOE_BLOCK_RE = re.compile(r"MoE block: (MegaMoE|megatron-core MoELayer) \((.*)\)\s*$", re.MULTILINE)
-
-
-def _number(text: str) -> float | None:
-    return None if text == "n/a" else float(text.replace(",", ""))
-
-
-def parse_summary(text: str) -> RunSummary | None:
-    """The last ``summary: trained iterations ...`` line in ``text`` (None when there is none)."""
-    matches = SUMMARY_RE.findall(text)
-    if not matches:
-        return None
-    first, last, loss0, loss1, step, tokens, tflops, mem = matches[-1]
-    peak = _number(mem)
-    return RunSummary(
-        first_iteration=int(first),
-        last_iteration=int(last),
-        first_loss=_number(loss0),
-        last_loss=_number(loss1),
-        step_ms=_number(step),
-        tokens_per_s=_number(tokens),
-        tflops_per_gpu=_number(tflops),
-        peak_mem_gib=0.0 if peak is None else peak,
-    )
-
-
-def parse_moe_block(text: str) -> tuple[str, str] | None:
-    """``(block, reason)`` from the trainer's last ``MoE block: <block> (<reason>)`` line."""
-    matches = MOE_BLOCK_RE.findall(text)
-    return matches[-1] if matches else None
 
 
 @dataclass
@@ -169,10 +112,6 @@ def check(result: Result, variant: Variant) -> None:
         result.problems.append("the summary has no timed steps")
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 def _ratio(a: float | None, b: float | None) -> str:
     return "n/a" if a is None or b is None or b == 0 else f"{a / b:.3f}x"
 
@@ -185,11 +124,11 @@ def table(results: list[Result]) -> str:
     ]
     for r in results:
         s = r.summary
-        loss = "n/a" if s is None else f"{_fmt(s.first_loss, '.4f')} -> {_fmt(s.last_loss, '.4f')}"
+        loss = "n/a" if s is None else f"{fmt(s.first_loss, '.4f')} -> {fmt(s.last_loss, '.4f')}"
         lines.append(
-            f"| {r.label} | {r.moe_block or 'n/a'} | {_fmt(s and s.step_ms, '.1f')} | "
-            f"{_fmt(s and s.tokens_per_s, ',.0f')} | {_fmt(s and s.tflops_per_gpu, '.3g')} | "
-            f"{_fmt(s and s.peak_mem_gib, '.2f')} | {loss} | {'ok' if r.ok else '; '.join(r.problems)} |"
+            f"| {r.label} | {r.moe_block or 'n/a'} | {fmt(s and s.step_ms, '.1f')} | "
+            f"{fmt(s and s.tokens_per_s, ',.0f')} | {fmt(s and s.tflops_per_gpu, '.3g')} | "
+            f"{fmt(s and s.peak_mem_gib, '.2f')} | {loss} | {'ok' if r.ok else '; '.join(r.problems)} |"
         )
     by_name = {r.variant: r for r in results}
     on, off = by_name.get("megamoe"), by_name.get("alltoall")
@@ -203,110 +142,18 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_argv(python: str, config: Path, variant: Variant, vdir: Path, overrides: list[str]) -> list[str]:
     """``primus-cli direct --log-dir <vdir>/logs -- train pretrain --config ... <overrides> <switch>``."""
-    return [
-        python, "-m", "runner", "direct", "--log-dir", str(vdir / "logs"), "--",
-        "train", "pretrain", "--config", str(config), "--workspace", str(vdir / "workspace"),
-        *overrides, *variant.switch_args(),
-    ]  # fmt: skip
+    return train_runs.runner_argv(
+        python,
+        vdir / "logs",
+        ["--config", str(config), "--workspace", str(vdir / "workspace"), *overrides, *variant.switch_args()],
+    )
 
 
 def launch_env(base: dict[str, str], variant: Variant, gpus: int) -> dict[str, str]:
-    env = dict(base)
-    env["GPUS_PER_NODE"] = str(gpus)
-    env["PRIMUS_JOB_ID"] = variant.name  # the node log: <vdir>/logs/<variant>-node0.log
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("MASTER_PORT", str(_free_port()))
-    return env
-
-
-def run_variant(
-    argv: list[str], env: dict[str, str], console_log: Path, timeout_s: float
-) -> tuple[int | None, bool, float]:
-    """Run one launch in its own process group, echoing and saving its output; (status, timed out, s)."""
-    started = time.monotonic()
-    timed_out = False
-    with console_log.open("w") as log:
-        proc = subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            errors="replace", start_new_session=True, bufsize=1,
-        )  # fmt: skip
-
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                log.write(line)
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _terminate(proc)
-        finally:
-            if proc.poll() is None:
-                _terminate(proc)
-            reader.join(timeout=30)
-        if timed_out:
-            log.write(f"\n[bench] timed out after {timeout_s:.0f} s: stopped\n")
-    return proc.returncode, timed_out, time.monotonic() - started
-
-
-def _terminate(proc: subprocess.Popen) -> None:
-    """SIGTERM to the launcher's process group (primus-cli forwards it to torchrun and kills after 20 s)."""
-    for sig, wait in ((signal.SIGTERM, 40), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _versions() -> dict[str, str]:
-    out = {"python": sys.version.split()[0]}
-    for dist in ("torch", "triton", "megatron-core"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = "not installed"
-    return out
-
-
-def _machine() -> str:
-    if shutil.which("nvidia-smi"):
-        res = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        if res.returncode == 0 and res.stdout.strip():
-            names = res.stdout.strip().splitlines()
-            return f"{len(names)} x {names[0]}"
-    return f"CPU ({os.cpu_count()} cores)"
-
-
-def _commit() -> str:
-    """The checkout's commit, with ``-dirty`` when the tree differs from it (a copied tree may carry an
-    older ``.git``)."""
-    res = subprocess.run(
-        ["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=7"],
-        capture_output=True,
-        text=True,
-    )
-    return res.stdout.strip() if res.returncode == 0 else "unknown"
+    """The node log: ``<vdir>/logs/<variant>-node0.log``."""
+    return train_runs.launch_env(base, variant.name, gpus)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -364,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         vdir.mkdir(parents=True, exist_ok=True)
         env = launch_env(dict(os.environ), variant, args.gpus)
-        result.returncode, result.timed_out, result.seconds = run_variant(
+        result.returncode, result.timed_out, result.seconds = run_logged(
             cmd, env, vdir / "console.log", args.timeout_s
         )
         text = (vdir / "console.log").read_text(errors="replace")
@@ -380,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     header = [
-        f"{_machine()}, {args.gpus} ranks, commit {_commit()}, "
-        + ", ".join(f"{k} {v}" for k, v in _versions().items()),
+        f"{train_runs.machine()}, {args.gpus} ranks, commit {train_runs.commit()}, "
+        + ", ".join(f"{k} {v}" for k, v in train_runs.versions().items()),
         f"experiment: `{config.relative_to(ROOT) if config.is_relative_to(ROOT) else config}`"
         + (f", overrides: `{' '.join(overrides)}`" if overrides else ""),
         "",
@@ -395,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                 "config": str(config),
                 "overrides": overrides,
                 "gpus": args.gpus,
-                "machine": _machine(),
-                "commit": _commit(),
-                "versions": _versions(),
+                "machine": train_runs.machine(),
+                "commit": train_runs.commit(),
+                "versions": train_runs.versions(),
                 "results": [{**asdict(r), "ok": r.ok} for r in results],
             },
             indent=2,
