@@ -45,20 +45,22 @@ from megamoe.backends.triton_fp8.swiglu import swiglu_quant
 from megamoe.backends.triton_fp8.wgrad import fp8_wgrad
 
 GEMM_CANDIDATES: list[dict[str, int]] = [
-    {},  # the default (configs.GPU_GEMM)
-    {"num_stages": 3},
-    {"block_n": 64, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2},
+    {},  # the default (configs.GPU_GEMM_GATHER for gemm1, GPU_GEMM_TMA for gemm2)
+    {"block_n": 128, "num_warps": 8, "num_stages": 4, "programs_per_sm": 1},
     {"block_n": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2},
-    {"block_n": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2},
-    {"block_n": 128, "num_warps": 8, "num_stages": 3, "programs_per_sm": 2},
+    {"block_n": 64, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2},
+    {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs_per_sm": 3},
+    {"block_n": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 3},
+    {"block_n": 32, "num_warps": 4, "num_stages": 2, "programs_per_sm": 4},
 ]
 """TileConfig fields replaced in the M-grouped FP8 GEMM's default tile (block_m stays the routing
 plan's 128, block_k 128); ``programs_per_sm`` multiplies the persistent grid."""
 WGRAD_CANDIDATES: list[dict[str, int]] = [
     {},  # the default (configs.GPU_WGRAD)
-    {"num_stages": 3},
+    {"block_n": 128, "num_warps": 8, "num_stages": 4, "programs_per_sm": 1},
     {"block_n": 64, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2},
-    {"block_n": 256, "num_warps": 8, "num_stages": 3},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2},
+    {"block_n": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 3},
 ]
 """TileConfig fields replaced in the FP8 wgrad's default tile."""
 
@@ -71,9 +73,14 @@ def main() -> None:
     num_sms = num_programs(device)
     torch.manual_seed(0)
     idx = torch.rand(T, G, device=device).topk(TOPK, dim=1).indices
-    plan = build_routing_plan(idx, num_experts=G, block_m=gemm_config(device).block_m)
+    plan = build_routing_plan(idx, num_experts=G, block_m=gemm_config(device, gather=True).block_m)
     R = T * TOPK
-    print(f"default FP8 GEMM config: {gemm_config(device)}\ndefault FP8 wgrad config: {wgrad_config(device)}")
+    for name, config in (
+        ("GEMM, gathered rows", gemm_config(device, gather=True)),
+        ("GEMM, rows by TMA", gemm_config(device, gather=False)),
+        ("wgrad", wgrad_config(device)),
+    ):
+        print(f"default FP8 {name} config: {config}")
     x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
     w1 = torch.randn(G, 2 * I, H, device=device, dtype=torch.bfloat16) / H**0.5
     w2 = torch.randn(G, H, I, device=device, dtype=torch.bfloat16) / I**0.5
@@ -122,7 +129,7 @@ def main() -> None:
             qx, qw1, out, plan, config=cfg, num_sms=num_sms, a_rows=plan.row_token_R
         ),
         (R, 2 * I),
-        gemm_config(device),
+        gemm_config(device, gather=True),
         GEMM_CANDIDATES,
     )
     sweep(
@@ -133,7 +140,7 @@ def main() -> None:
         ),
         lambda out, cfg: fp8_grouped_gemm(qa, qw2, out, plan, config=cfg, num_sms=num_sms),
         (R, H),
-        gemm_config(device),
+        gemm_config(device, gather=False),
         GEMM_CANDIDATES,
     )
     x_sorted = x.index_select(0, plan.row_token_R.clamp(min=0))

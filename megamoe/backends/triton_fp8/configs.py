@@ -3,7 +3,10 @@
 A K stage is one 128-deep tile (one scale per operand row), and ``block_n`` divides 128 so an output
 tile's columns share one weight scale per stage. After each 128-deep E4M3 MMA its fp32 partial is
 scaled and added on the CUDA cores (one FMA per element, a quarter of MXFP8's per-32 cost); Triton
-waits for the MMA before that FMA, so two programs per SM overlap each other's MMA and FMA.
+waits for the MMA before that FMA, so several programs per SM (one warpgroup each, 128x64 tiles)
+overlap each other's MMA and FMA: 1.1x the one-program 128x128 tile of two warpgroups, which run in
+step. A GEMM whose rows come by TMA fits three programs on an SM (two pipeline stages); one that
+gathers its rows holds more registers, and fits two.
 ``benchmarks/sweep_fp8_gemm.py`` times the candidates (docs/fp8.md). The CPU interpreter gets tiny
 M and N tiles.
 """
@@ -14,19 +17,28 @@ import torch
 
 from megamoe.backends.triton.configs import BLOCK_M_CPU, BLOCK_M_GPU, TileConfig
 
-GPU_GEMM = TileConfig(
-    block_m=BLOCK_M_GPU, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4, programs_per_sm=1
+GPU_GEMM_GATHER = TileConfig(
+    block_m=BLOCK_M_GPU, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3, programs_per_sm=2
 )
-"""M-grouped FP8 GEMM on CUDA (block_m is the routing plan's)."""
-GPU_WGRAD = TileConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)
+"""M-grouped FP8 GEMM on CUDA that gathers its rows (block_m is the routing plan's)."""
+GPU_GEMM_TMA = TileConfig(
+    block_m=BLOCK_M_GPU, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=2, programs_per_sm=3
+)
+"""M-grouped FP8 GEMM on CUDA whose rows are in order (TMA)."""
+GPU_WGRAD = TileConfig(
+    block_m=128, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3, programs_per_sm=2
+)
 """K-grouped FP8 weight gradient on CUDA."""
 _CPU_GEMM = TileConfig(block_m=BLOCK_M_CPU, block_n=16, block_k=128, num_warps=1, num_stages=1)
 _CPU_WGRAD = TileConfig(block_m=16, block_n=16, block_k=128, num_warps=1, num_stages=1)
 
 
-def gemm_config(device: torch.device) -> TileConfig:
-    """Tile of the M-grouped FP8 GEMM (every row-grouped GEMM: fc1/fc2 forward and dgrad)."""
-    return GPU_GEMM if device.type == "cuda" else _CPU_GEMM
+def gemm_config(device: torch.device, *, gather: bool) -> TileConfig:
+    """Tile of the M-grouped FP8 GEMM: ``gather`` for fc1 forward and fc2 dgrad (rows read through
+    ``row_token``), not for fc2 forward and fc1 dgrad."""
+    if device.type != "cuda":
+        return _CPU_GEMM
+    return GPU_GEMM_GATHER if gather else GPU_GEMM_TMA
 
 
 def wgrad_config(device: torch.device) -> TileConfig:

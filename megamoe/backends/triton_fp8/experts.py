@@ -87,7 +87,13 @@ class FP8Experts:
     def _gemm(a: FP8Tensor, b: FP8Tensor, out: Tensor, plan: RowPlan, a_rows: Tensor | None) -> None:
         device = out.device
         fp8_grouped_gemm(
-            a, b, out, plan.routing, config=gemm_config(device), num_sms=num_programs(device), a_rows=a_rows
+            a,
+            b,
+            out,
+            plan.routing,
+            config=gemm_config(device, gather=a_rows is not None),
+            num_sms=num_programs(device),
+            a_rows=a_rows,
         )
 
     @staticmethod

@@ -3,20 +3,25 @@
 
 The amax is taken on the float32 bit patterns (an integer max orders magnitudes and puts NaN and
 infinity on top, where a float max would drop a NaN), the scale and the scaled value by IEEE division
-(``div_rn``: Triton's ``/`` is an approximate division on the GPU), and the E4M3 rounding by
-:func:`~megamoe.backends.triton_mx.mx_math.e4m3_codes`, integer arithmetic that the CPU interpreter
-runs exactly as the GPU does. The quantisers are memory-bound: the extra integer work costs no time.
+(``div_rn``: Triton's ``/`` is an approximate division on the GPU), and the E4M3 rounding by the
+GPU's conversion instruction (``cvt.rn.satfinite``: round to nearest even, saturating). The CPU
+interpreter's fp8 cast does not round to nearest, so interpreted kernels round with
+:func:`~megamoe.backends.triton_mx.mx_math.e4m3_codes` instead: integer arithmetic with the same bits,
+but about 25 integer operations an element, which would make the quantisers compute-bound on a GPU.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from megamoe.backends.triton_mx.mx_math import abs_bits, e4m3_codes
 
 TILE = 128
 """elements per scale (:data:`megamoe.quant.fp8.TILE`)."""
+_CONVERT_ON_DEVICE = tl.constexpr(not isinstance(e4m3_codes, InterpretedFunction))
+"""compiled kernels round with the hardware conversion; interpreted ones with :func:`e4m3_codes`."""
 
 
 @triton.jit
@@ -31,8 +36,14 @@ def tile_scales(amax_bits):
 
 @triton.jit
 def e4m3_of(v, scale):
-    """E4M3 bytes (int32) of float32 ``v / scale``: IEEE division, round to nearest even, saturating."""
-    return e4m3_codes(tl.math.div_rn(v, scale).to(tl.int32, bitcast=True), 0)
+    """E4M3 bytes (int32) of float32 ``v / scale``: IEEE division, round to nearest even, saturating;
+    NaN -> ``0x7F`` with the quotient's sign bit."""
+    q = tl.math.div_rn(v, scale)
+    bits = q.to(tl.int32, bitcast=True)
+    if _CONVERT_ON_DEVICE:
+        code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        return tl.where(q != q, 0x7F | ((bits >> 24) & 0x80), code)
+    return e4m3_codes(bits, 0)
 
 
 @triton.jit

@@ -142,6 +142,7 @@ def compile_kernel(kernel, args: dict, *, num_warps: int = 4, num_stages: int = 
         "registers": registers,
         "spill_bytes": spills,
         "cp_async_in_flight": max(waits, default=-1),
+        "e4m3_conversions": compiled.asm["ptx"].count("cvt.rn.satfinite.e4m3x2.f32"),
     }
 
 

@@ -36,7 +36,7 @@ BINS = triton.next_power_of_2(G)
 def _gemm(*, gather: bool, rows: int, N: int, K: int, out: str) -> tuple:
     """grouped_gemm.fp8_grouped_gemm: A from quantize_rows / swiglu_quant (scales ``[KB, rows]`` storage),
     B from the weight cache (scales ``[G, N / 128, K / 128]`` contiguous)."""
-    cfg = gemm_config(CUDA)
+    cfg = gemm_config(CUDA, gather=gather)
     bm, bn = cfg.block_m, cfg.block_n
     kb, nb = -(-K // TILE), -(-N // TILE)
     args = dict(

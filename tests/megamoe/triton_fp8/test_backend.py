@@ -3,7 +3,9 @@
 Under ``TRITON_INTERPRET=1`` (float32 inputs) every kernel runs: the quantisers, the FP8 GEMMs with
 the gather, the SwiGLU passes, the wgrad and the combine. Both sides quantise the same float32 values
 to the same bytes (test_quantize.py), so what differs is the fp32 summation order and ``silu``'s last
-bit: SNR >= 60 dB against the emulation, per output. Ragged cases: H and I multiples of 16 but not of
+bit: SNR >= 60 dB against the emulation, per output. On a GPU the floor is 40 dB, the bar of the
+bench shapes: Hopper's FP8 MMA adds its 128 products in reduced precision before they reach the fp32
+accumulator (measured 48 dB at the largest case here). Ragged cases: H and I multiples of 16 but not of
 128 (short last K tiles; experts whose rows end inside a 128-row wgrad tile), more than one K tile,
 empty experts, dropped slots, all slots dropped, no tokens; EP = 2 over gloo.
 """
@@ -22,6 +24,10 @@ from megamoe.errors import UnsupportedSettingError
 from megamoe.quant import advance_weight_generation
 from megamoe.settings import EPSettings
 from tests.megamoe.triton_mx.test_backend import GRADS, _case
+from tests.megamoe.triton_mx.test_quantize import DEVICE
+
+FLOOR_DB = 60.0 if DEVICE.type == "cpu" else 40.0
+"""SNR against the emulation: fp32 summation order only (CPU); the tensor core's FP8 accumulation (GPU)."""
 
 
 def _run(backend: str, x, idx, tw, w1, w2, dy, **kwargs) -> dict[str, torch.Tensor]:
@@ -31,7 +37,7 @@ def _run(backend: str, x, idx, tw, w1, w2, dy, **kwargs) -> dict[str, torch.Tens
     return dict(zip(GRADS, (y.detach(), *grads), strict=True))
 
 
-def _assert_matches(ours: dict, ref: dict, floor: float = 60.0, where: str = "") -> None:
+def _assert_matches(ours: dict, ref: dict, floor: float = FLOOR_DB, where: str = "") -> None:
     for name in GRADS:
         got, want = ours[name], ref[name]
         assert got.shape == want.shape and got.dtype == want.dtype, name
@@ -80,7 +86,7 @@ def test_triton_fp8_weight_cache_follows_an_optimizer_step() -> None:
     advance_weight_generation()
     ours, ref = step(), _run("reference", x, idx, tw, w1.detach(), w2.detach(), dy)["y"]
     assert backend.weight_cache.misses > misses
-    assert snr_db(ours, ref) >= 60.0, f"{snr_db(ours, ref):.1f} dB"
+    assert snr_db(ours, ref) >= FLOOR_DB, f"{snr_db(ours, ref):.1f} dB"
 
 
 def test_triton_fp8_width_not_a_multiple_of_16_names_the_setting() -> None:

@@ -1,20 +1,37 @@
 """The blockwise-FP8 Triton kernels compile for Hopper (sm_90a) at the launches the CUDA path makes, on
-the CPU, without spills (but one known bound).
+the CPU, without spills.
 
 The CPU tests run these kernels in the interpreter, which accepts what the GPU compiler can refuse and
 says nothing about registers; this test compiles every distinct launch (``sm90_compile.py``) with the
 ptxas Triton ships and checks spills and shared memory, in a fresh process (``TRITON_INTERPRET=1``,
-set for the other CPU tests, replaces the kernels).
+set for the other CPU tests, replaces the kernels). Compiled, the quantisers round with the hardware
+conversion (:mod:`megamoe.backends.triton_fp8.fp8_math`); that is checked in their PTX.
 """
 
 from __future__ import annotations
 
-from tests.megamoe.sm90 import assert_compiles_for_sm90
+import torch
 
-# ptxas's spill bytes today (a bound, so that growth is still caught): the weight quantiser's transposed
-# read holds a [128, 128] fp32 block through a layout change; it runs once per optimizer step
-KNOWN_SPILLS = {"quantize weight blocks, transposed view": 496}
+from megamoe.backends.triton_fp8.configs import gemm_config, wgrad_config
+from tests.megamoe.sm90 import SMEM_LIMIT, assert_compiles_for_sm90
+
+_CUDA = torch.device("cuda")
+_PERSISTENT = {  # launch: its tile, whose programs_per_sm programs must be resident on one SM together
+    "gemm: row gather, bf16 out (fc1 fwd)": gemm_config(_CUDA, gather=True),
+    "gemm: row gather, fp32 out (fc2 dgrad)": gemm_config(_CUDA, gather=True),
+    "gemm: A by TMA, bf16 out (fc2 fwd, fc1 dgrad)": gemm_config(_CUDA, gather=False),
+    "wgrad (K-grouped)": wgrad_config(_CUDA),
+}
 
 
 def test_every_launch_compiles_for_sm90_without_spills() -> None:
-    assert_compiles_for_sm90("tests.megamoe.triton_fp8.sm90_compile", KNOWN_SPILLS)
+    report = assert_compiles_for_sm90("tests.megamoe.triton_fp8.sm90_compile")
+    for name, config in _PERSISTENT.items():
+        result, programs = report[name], config.programs_per_sm
+        registers = programs * 32 * config.num_warps * -(-result["registers"] // 8) * 8
+        assert registers <= 65536, f"{name}: {programs} programs need {registers} registers of 65536"
+        assert programs * (result["shared"] + 1024) <= SMEM_LIMIT + 1024, f"{name}: {result}"
+    quantisers = [name for name in report if "quantize" in name]
+    assert quantisers
+    for name in quantisers:
+        assert report[name]["e4m3_conversions"] > 0, f"{name}: no cvt.rn.satfinite.e4m3x2.f32 in its PTX"
