@@ -4,8 +4,8 @@ A K stage is one 128-deep tile (one scale per operand row), and ``block_n`` divi
 tile's columns share one weight scale per stage. After each 128-deep E4M3 MMA its fp32 partial is
 scaled and added on the CUDA cores (one FMA per element, a quarter of MXFP8's per-32 cost); Triton
 waits for the MMA before that FMA, so several programs per SM (one warpgroup each, 128x64 tiles)
-overlap each other's MMA and FMA: 1.1x the one-program 128x128 tile of two warpgroups, which run in
-step. A GEMM whose rows come by TMA fits three programs on an SM (two pipeline stages); one that
+overlap each other's MMA and FMA, which the two warpgroups of one 128x128 program, running in step,
+do not. A GEMM whose rows come by TMA fits three programs on an SM (two pipeline stages); one that
 gathers its rows holds more registers, and fits two.
 ``benchmarks/sweep_fp8_gemm.py`` times the candidates (docs/fp8.md). The CPU interpreter gets tiny
 M and N tiles.
