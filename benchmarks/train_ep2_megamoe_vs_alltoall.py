@@ -157,10 +157,7 @@ def launch_env(base: dict[str, str], variant: Variant, gpus: int) -> dict[str, s
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    overrides: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1 :]
+    argv, overrides = train_runs.split_overrides(argv)
     p = argparse.ArgumentParser(
         prog="train_ep2_megamoe_vs_alltoall.py",
         description="train pretrain with MegaMoE on and off (megatron alltoall); one table.",

@@ -205,10 +205,7 @@ def _positive(text: str) -> int:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    overrides: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1 :]
+    argv, overrides = train_runs.split_overrides(argv)
     p = argparse.ArgumentParser(
         prog="train_precision_compare.py",
         description="train pretrain on the demo's real text once per MegaMoE expert precision, same seed; "

@@ -9,6 +9,7 @@
   ``MoE block:`` line back from that console log; :func:`read_training_log` reads the trainer's
   ``training_log.jsonl`` (``megamoe/train/sinks.py``): the per-iteration and evaluation records of
   the last launch into that workspace.
+* :func:`split_overrides`: a script's own arguments and the trainer overrides after ``--``.
 * :func:`versions`, :func:`machine`, :func:`commit`: what a results file records about the run.
 
 Every command is an argument list; no value is ever evaluated by a shell.
@@ -239,6 +240,14 @@ def commit() -> str:
         text=True,
     )
     return res.stdout.strip() if res.returncode == 0 else "unknown"
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(the script's own arguments, the trainer overrides after --)``."""
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
 
 
 def fmt(value: float | None, spec: str) -> str:
