@@ -36,11 +36,11 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import train_runs
-from benchmarks.train_runs import ROOT, RunSummary, fmt, parse_moe_block, parse_summary, run_logged
+from benchmarks.train_runs import ROOT, fmt, run_logged
 
 DEFAULT_CONFIG = ROOT / "examples/megatron/configs/H200/deepseek_v3_4layer_ep2-BF16-pretrain.yaml"
 OUT_ENV = "MEGAMOE_BENCH_OUT"
@@ -77,23 +77,9 @@ TINY_ARGS = (
 
 
 @dataclass
-class Result:
+class Result(train_runs.RunRecord):
     variant: str
     label: str
-    returncode: int | None = None
-    seconds: float = 0.0
-    timed_out: bool = False
-    timeout_s: float = 0.0
-    moe_block: str | None = None
-    moe_reason: str | None = None
-    summary: RunSummary | None = None
-    problems: list[str] = field(default_factory=list)
-    command: list[str] = field(default_factory=list)
-    console_log: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
 
 
 def check(result: Result, variant: Variant) -> None:
@@ -211,10 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         result.returncode, result.timed_out, result.seconds = run_logged(
             cmd, env, vdir / "console.log", args.timeout_s
         )
-        text = (vdir / "console.log").read_text(errors="replace")
-        block = parse_moe_block(text)
-        result.moe_block, result.moe_reason = block if block else (None, None)
-        result.summary = parse_summary(text)
+        result.read_console((vdir / "console.log").read_text(errors="replace"))
         check(result, variant)
         print(
             f"[bench] {variant.name}: {'ok' if result.ok else '; '.join(result.problems)} ({result.seconds:.0f} s)",

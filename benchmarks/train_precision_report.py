@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import train_runs
-from benchmarks.train_runs import RunSummary, fmt
+from benchmarks.train_runs import fmt
 
 BASELINE = "bf16"
 FINAL_WINDOW = 10
@@ -26,17 +26,8 @@ FINAL_WINDOW = 10
 
 
 @dataclass
-class PrecisionRun:
+class PrecisionRun(train_runs.RunRecord):
     precision: str
-    command: list[str] = field(default_factory=list)
-    console_log: str = ""
-    returncode: int | None = None
-    seconds: float = 0.0
-    timed_out: bool = False
-    timeout_s: float = 0.0
-    moe_block: str | None = None
-    moe_reason: str | None = None
-    summary: RunSummary | None = None
     training_log: str | None = None
     train_curve: list[tuple[int, float]] = field(default_factory=list)
     """(iteration, lm loss) of every iteration."""
@@ -47,11 +38,6 @@ class PrecisionRun:
     """Mean lm loss of the last ``FINAL_WINDOW`` iterations."""
     final_valid_loss: float | None = None
     """The last validation (the one at the end of training)."""
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
 
     @property
     def step_ms(self) -> float | None:
@@ -77,9 +63,7 @@ class PrecisionRun:
 
 def read_back(run: PrecisionRun, console_text: str, workspace: Path) -> None:
     """Fill ``run`` from its console output and the trainer's ``training_log.jsonl``."""
-    block = train_runs.parse_moe_block(console_text)
-    run.moe_block, run.moe_reason = block if block else (None, None)
-    run.summary = train_runs.parse_summary(console_text)
+    run.read_console(console_text)
     path = train_runs.find_training_log(workspace)
     if path is None:
         return

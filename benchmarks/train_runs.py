@@ -5,6 +5,7 @@
   (``GPUS_PER_NODE``), the job id that names the node log, and a free ``MASTER_PORT``.
 * :func:`run_logged` runs one command in its own process group under a timeout, echoing its output
   and saving it to a console log; on a timeout it stops the whole group.
+* :class:`RunRecord`: one launch and what was read back (the scripts' result records extend it).
 * :func:`parse_summary` / :func:`parse_moe_block` read the trainer's closing ``summary:`` line and its
   ``MoE block:`` line back from that console log; :func:`read_training_log` reads the trainer's
   ``training_log.jsonl`` (``megamoe/train/sinks.py``): the per-iteration and evaluation records of
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,33 @@ SUMMARY_RE = re.compile(
     rf"{_NUM} tokens/s \| {_NUM} TFLOP/s/GPU \| peak mem {_NUM} GiB"
 )
 MOE_BLOCK_RE = re.compile(r"MoE block: (MegaMoE|megatron-core MoELayer) \((.*)\)\s*$", re.MULTILINE)
+
+
+@dataclass(kw_only=True)
+class RunRecord:
+    """One ``train pretrain`` launch: its command, how it ended, what its console log says, and the
+    problems a script's check found (none: ``ok``)."""
+
+    command: list[str] = field(default_factory=list)
+    console_log: str = ""
+    returncode: int | None = None
+    seconds: float = 0.0
+    timed_out: bool = False
+    timeout_s: float = 0.0
+    moe_block: str | None = None
+    moe_reason: str | None = None
+    summary: RunSummary | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def read_console(self, text: str) -> None:
+        """The ``MoE block:`` and ``summary:`` lines of the console output ``text``."""
+        block = parse_moe_block(text)
+        self.moe_block, self.moe_reason = block if block else (None, None)
+        self.summary = parse_summary(text)
 
 
 def _number(text: str) -> float | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import train_ep2_megamoe_vs_alltoall as ab
+from benchmarks import train_runs
 from megamoe.train.loop import Summary
 
 RANK0 = "[default0]:[15:35:21 rank 0] INFO megamoe.train.loop: "
@@ -25,8 +26,8 @@ def _summary(**kw: object) -> Summary:
 
 
 def test_the_trainers_summary_line_parses_back() -> None:
-    parsed = ab.parse_summary(RANK0 + "summary: " + _summary().text())
-    assert parsed == ab.RunSummary(
+    parsed = train_runs.parse_summary(RANK0 + "summary: " + _summary().text())
+    assert parsed == train_runs.RunSummary(
         first_iteration=1, last_iteration=15, first_loss=10.4, last_loss=9.8765, step_ms=1234.6,
         tokens_per_s=26543.0, tflops_per_gpu=412.0, peak_mem_gib=101.23,
     )  # fmt: skip
@@ -39,28 +40,31 @@ def test_the_last_summary_wins_and_missing_values_are_none() -> None:
             RANK0 + "summary: " + _summary(mean_step_s=None, tokens_per_s=None, tflops_per_gpu=None).text(),
         ]
     )
-    parsed = ab.parse_summary(text)
+    parsed = train_runs.parse_summary(text)
     assert parsed is not None
     assert (parsed.step_ms, parsed.tokens_per_s, parsed.tflops_per_gpu) == (None, None, None)
-    assert ab.parse_summary("summary: " + _summary(last_iteration=0).text()) is None  # nothing trained
-    assert ab.parse_summary("no summary here") is None
+    assert (
+        train_runs.parse_summary("summary: " + _summary(last_iteration=0).text()) is None
+    )  # nothing trained
+    assert train_runs.parse_summary("no summary here") is None
 
 
 def test_moe_block_line() -> None:
     text = RANK0 + "MoE block: MegaMoE (MegaMoE on: 32 experts/rank, backend=auto, precision=bf16)\n"
-    assert ab.parse_moe_block(text) == (
+    assert train_runs.parse_moe_block(text) == (
         "MegaMoE",
         "MegaMoE on: 32 experts/rank, backend=auto, precision=bf16",
     )
     assert (
-        ab.parse_moe_block(RANK0 + "MoE block: megatron-core MoELayer (off)")[0] == "megatron-core MoELayer"
+        train_runs.parse_moe_block(RANK0 + "MoE block: megatron-core MoELayer (off)")[0]
+        == "megatron-core MoELayer"
     )
-    assert ab.parse_moe_block("model: 1 chunk(s)") is None
+    assert train_runs.parse_moe_block("model: 1 chunk(s)") is None
 
 
 def _result(variant: ab.Variant, step_ms: float, tokens: float, tflops: float, mem: float) -> ab.Result:
     r = ab.Result(variant=variant.name, label=variant.label, returncode=0, moe_block=variant.moe_block)
-    r.summary = ab.RunSummary(
+    r.summary = train_runs.RunSummary(
         first_iteration=0, last_iteration=15, first_loss=10.0, last_loss=9.0, step_ms=step_ms,
         tokens_per_s=tokens, tflops_per_gpu=tflops, peak_mem_gib=mem,
     )  # fmt: skip
