@@ -182,7 +182,10 @@ def decide_moe_switch(cfg: PretrainConfig, tconfig: Any) -> MoESwitch:
     if cfg.moe.num_experts is None:
         return MoESwitch(use_mega_moe=False, reason="the model has no MoE layers", options=options)
     decision = decide_mega_moe(tconfig, options)
-    return MoESwitch(use_mega_moe=decision.use, reason=decision.reason, options=options)
+    reason = decision.reason
+    if not decision.use:  # which of megatron's expert modules the local spec builds
+        reason += f"; experts {'GroupedMLP' if tconfig.moe_grouped_gemm else 'SequentialMLP'}"
+    return MoESwitch(use_mega_moe=decision.use, reason=reason, options=options)
 
 
 def layer_spec(cfg: PretrainConfig, tconfig: Any, switch: MoESwitch, vp_stage: int | None) -> Any:

@@ -111,11 +111,13 @@ def _check_unsupported(cfg: PretrainConfig, has_cuda: bool) -> None:
             "Use alltoall or allgather (or MegaMoE)",
         ),
         (
-            m.moe_grouped_gemm,
+            m.moe_grouped_gemm and importlib.util.find_spec("grouped_gemm") is None,
             "moe_grouped_gemm",
             True,
-            "megatron-core's grouped-GEMM experts need Transformer Engine or the grouped_gemm package",
-            "Set moe_grouped_gemm: false, or use_turbo_mega_moe: true for the fused path",
+            "megatron-core's grouped-GEMM experts (GroupedMLP, its expert module without Transformer "
+            "Engine) need the grouped_gemm package, which is not installed",
+            "Install grouped_gemm, put benchmarks/grouped_gemm_shim first on PYTHONPATH (the same call on "
+            "torch._grouped_mm), set moe_grouped_gemm: false, or use_turbo_mega_moe: true for the fused path",
         ),
         (
             t.cuda_graph_impl == "transformer_engine"

@@ -45,6 +45,13 @@ def test_unsupported_setting_fails_with_its_name(argv: list[str], has_cuda: bool
         _plan(argv, has_cuda=has_cuda)
 
 
+def test_grouped_gemm_experts_plan_once_grouped_gemm_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron's GroupedMLP needs only an importable ``grouped_gemm``: here the benchmarks' shim."""
+    shim = Path(__file__).resolve().parents[2] / "benchmarks" / "grouped_gemm_shim"
+    monkeypatch.syspath_prepend(str(shim))
+    assert _plan(["--moe_grouped_gemm", "true"], has_cuda=True) is not None
+
+
 @pytest.mark.parametrize(
     ("argv", "world", "setting"),
     [
