@@ -1,4 +1,5 @@
-"""The four fused EP steps as ``torch.library`` custom ops: one opaque node each for torch.compile.
+"""The four fused EP steps as ``torch.library`` custom ops: one opaque node each for torch.compile
+(eager calls skip the op's dispatch, :mod:`megamoe.backends.opaque`).
 
 Legend: T tokens, H hidden, I intermediate, E experts, G local experts, K top-k, W EP ranks, P pool rows.
 
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megamoe.backends.base import StagedBackend
+from megamoe.backends.opaque import opaque_op
 from megamoe.backends.symm.backend import SymmBackend, SymmPlan, recv_plan
 from megamoe.backends.symm.layout import SymmLayout
 from megamoe.backends.symm.workspace import WorkspaceKey, find_workspace, pool_rows
@@ -131,7 +133,7 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
     return like.new_empty(0) if t is None else t
 
 
-@torch.library.custom_op("megamoe_symm::stage1_forward", mutates_args=())
+@opaque_op("megamoe_symm::stage1_forward")
 def stage1_forward(
     x_TH: Tensor,
     topk_idx_TK: Tensor,
@@ -166,7 +168,7 @@ def _(x_TH, topk_idx_TK, topk_weights_TK, w1_G2IH, group_name, num_experts, sett
     return [x_TH.new_empty(P, w1_G2IH.shape[1]), topk_weights_TK.new_empty(P), *send, *layout]
 
 
-@torch.library.custom_op("megamoe_symm::stage2_forward", mutates_args=())
+@opaque_op("megamoe_symm::stage2_forward")
 def stage2_forward(
     h_P2I: Tensor,
     dispatch_weights_P: Tensor,
@@ -188,7 +190,7 @@ def _(h_P2I, dispatch_weights_P, w2_GHI, state, group_name, num_experts, num_tok
     return h_P2I.new_empty(num_tokens, w2_GHI.shape[1])
 
 
-@torch.library.custom_op("megamoe_symm::stage2_backward", mutates_args=())
+@opaque_op("megamoe_symm::stage2_backward")
 def stage2_backward(
     h_P2I: Tensor,
     dispatch_weights_P: Tensor,
@@ -232,7 +234,7 @@ def _(
     )
 
 
-@torch.library.custom_op("megamoe_symm::stage1_backward", mutates_args=())
+@opaque_op("megamoe_symm::stage1_backward")
 def stage1_backward(
     x_TH: Tensor,
     w1_G2IH: Tensor,

@@ -6,7 +6,8 @@ GEMM1 emits ``h`` (saved by stage 2 for the SwiGLU backward) and, from its epilo
 Legend: T tokens, H hidden, I intermediate, G local experts, K top-k, R = T*K expert-sorted rows.
 
 Custom ops make each step one opaque node for torch.compile (dynamo never traces a Triton launch or
-its TMA descriptors) and keep every shape static, so the steps also capture in a CUDA graph. The
+its TMA descriptors; eager calls skip the op's dispatch, :mod:`megamoe.backends.opaque`) and keep every
+shape static, so the steps also capture in a CUDA graph. The
 routing plan travels as its tensors; the launch configuration is chosen from static shapes only.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megamoe.backends.opaque import opaque_op
 from megamoe.backends.triton.combine import combine
 from megamoe.backends.triton.configs import gemm_config, num_programs, wgrad_config
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
@@ -50,7 +52,7 @@ def _plan(
     )
 
 
-@torch.library.custom_op("megamoe_triton::gemm1_forward", mutates_args=())
+@opaque_op("megamoe_triton::gemm1_forward")
 def gemm1_forward(
     x_TH: Tensor,
     w1_G2IH: Tensor,
@@ -93,7 +95,7 @@ def _(x_TH, w1_G2IH, topk, block_m, row_token_R, slot_row_S, expert_start_G1, ti
     return x_TH.new_empty(R, two_i), x_TH.new_empty(R, two_i // 2)
 
 
-@torch.library.custom_op("megamoe_triton::gemm2_combine_forward", mutates_args=())
+@opaque_op("megamoe_triton::gemm2_combine_forward")
 def gemm2_combine_forward(
     h_R2I: Tensor,
     act_RI: Tensor,
@@ -147,7 +149,7 @@ def _(
     return h_R2I.new_empty(num_tokens, w2_GHI.shape[1])
 
 
-@torch.library.custom_op("megamoe_triton::gemm2_backward", mutates_args=())
+@opaque_op("megamoe_triton::gemm2_backward")
 def gemm2_backward(
     h_R2I: Tensor,
     dispatch_weights_R: Tensor,
@@ -229,7 +231,7 @@ def _(
     return h_R2I.new_empty(R, two_i), dispatch_weights_R.new_empty(R), dw2
 
 
-@torch.library.custom_op("megamoe_triton::gemm1_backward", mutates_args=())
+@opaque_op("megamoe_triton::gemm1_backward")
 def gemm1_backward(
     x_TH: Tensor,
     w1_G2IH: Tensor,

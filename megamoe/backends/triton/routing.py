@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megamoe.backends.opaque import opaque_op
+
 OFFSET_COLUMNS = 16
 """expert bins per program of the totals and offsets kernels: the [blocks, bins] count matrix is read by
 columns in parallel (at 128 experts it is 2048 x 256, too slow for one program:
@@ -75,22 +77,67 @@ class RoutingPlan:
     def max_tiles(self) -> int:
         return int(self.tiles_X3.shape[0])
 
-    def row_is_valid_R(self) -> Tensor:
-        """Boolean mask of the rows that carry a routed slot (the rest is padding at the end)."""
-        rows = torch.arange(self.num_rows, device=self.row_slot_R.device, dtype=torch.int32)
-        return rows < self.expert_start_G1[-1]
-
     def row_values_R(self, values_TK: Tensor) -> Tensor:
         """``values_TK`` of each row's (token, k) slot, in row order: ``[T * K]``, zero for the rows of
         dropped slots (past ``expert_start_G1[-1]``); the inverse of :meth:`slot_values_TK`."""
-        picked = values_TK.reshape(-1).index_select(0, self.row_slot_R)
-        return torch.where(self.row_is_valid_R(), picked, torch.zeros_like(picked))
+        return pick_rows(values_TK.reshape(-1), self.row_slot_R, self.expert_start_G1)
 
     def slot_values_TK(self, values_R: Tensor) -> Tensor:
         """``values_R`` read back at each (token, k) slot's row: ``[T, K]``, zero for dropped slots."""
-        slot_row = self.slot_row_S
-        picked = values_R.index_select(0, slot_row.clamp(min=0))
-        return torch.where(slot_row >= 0, picked, torch.zeros_like(picked)).view(self.num_tokens, self.topk)
+        return pick_slots(values_R, self.slot_row_S).view(self.num_tokens, self.topk)
+
+
+_PICK_BLOCK = 1024
+
+
+@opaque_op("megamoe_triton::pick_rows")
+def pick_rows(values_S: Tensor, row_slot_R: Tensor, expert_start_G1: Tensor) -> Tensor:
+    """``out[r] = values_S[row_slot_R[r]]`` for the valid rows, else 0: one launch each way, not a chain
+    of torch ops, since at small T the host's time per launch is the layer's time."""
+    out = torch.empty_like(values_S)
+    if out.numel():
+        grid = (triton.cdiv(out.numel(), _PICK_BLOCK),)
+        _pick_rows_kernel[grid](
+            values_S, row_slot_R, expert_start_G1[-1:], out, out.numel(), BLOCK=_PICK_BLOCK
+        )
+    return out
+
+
+@pick_rows.register_fake
+def _(values_S, row_slot_R, expert_start_G1):
+    return torch.empty_like(values_S)
+
+
+@opaque_op("megamoe_triton::pick_slots")
+def pick_slots(values_R: Tensor, slot_row_S: Tensor) -> Tensor:
+    """``out[s] = values_R[slot_row_S[s]]``, 0 where the slot was dropped (``slot_row_S[s] = -1``)."""
+    out = values_R.new_empty(slot_row_S.shape)
+    if out.numel():
+        grid = (triton.cdiv(out.numel(), _PICK_BLOCK),)
+        _pick_slots_kernel[grid](values_R, slot_row_S, out, out.numel(), BLOCK=_PICK_BLOCK)
+    return out
+
+
+@pick_slots.register_fake
+def _(values_R, slot_row_S):
+    return values_R.new_empty(slot_row_S.shape)
+
+
+@triton.jit
+def _pick_rows_kernel(values_ptr, row_slot_ptr, valid_rows_ptr, out_ptr, R, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = rows < tl.load(valid_rows_ptr)
+    slot = tl.load(row_slot_ptr + rows, mask=valid, other=0)
+    value = tl.load(values_ptr + slot, mask=valid, other=0)
+    tl.store(out_ptr + rows, value, mask=rows < R)
+
+
+@triton.jit
+def _pick_slots_kernel(values_ptr, slot_row_ptr, out_ptr, S, BLOCK: tl.constexpr):
+    slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(slot_row_ptr + slots, mask=slots < S, other=-1)
+    value = tl.load(values_ptr + row, mask=row >= 0, other=0)
+    tl.store(out_ptr + slots, value, mask=slots < S)
 
 
 @triton.jit

@@ -47,3 +47,27 @@ def test_routing_plan_sorts_stably_and_tiles_every_expert(T: int, K: int, G: int
     valid = plan.slot_row_S >= 0
     assert torch.equal(valid, idx.reshape(-1) >= 0)
     assert torch.equal(plan.row_slot_R.long()[plan.slot_row_S[valid].long()], torch.arange(T * K)[valid])
+
+
+@pytest.mark.parametrize(
+    ("T", "K", "G", "drop"), [(37, 3, 5, 0.2), (0, 2, 3, 0.0), (20, 4, 9, 1.0), (700, 2, 4, 0.1)]
+)
+def test_row_and_slot_values_move_each_value_and_zero_the_dropped(
+    T: int, K: int, G: int, drop: float
+) -> None:
+    """The per-slot scalars (routing weights forward, their gradient backward) in row order and back;
+    700 x 2 slots take two launch blocks."""
+    g = torch.Generator().manual_seed(T)
+    idx = torch.randint(0, G, (T, K), generator=g)
+    idx[torch.rand(T, K, generator=g) < drop] = -1
+    plan = build_routing_plan(idx, num_experts=G, block_m=16)
+    values = torch.rand(T, K, generator=g) + 1  # never zero: a zero out means "dropped"
+    order, start, _ = _expected(idx, G, 16)
+    valid = int(start[G])
+    rows = plan.row_values_R(values)
+    expected = values.reshape(-1)[order].clone()
+    expected[valid:] = 0
+    assert torch.equal(rows, expected)
+    back = plan.slot_values_TK(rows)
+    assert back.shape == (T, K)
+    assert torch.equal(back, torch.where(idx >= 0, values, torch.zeros_like(values)))
