@@ -103,8 +103,9 @@ def _graphed(step):
     return graph.replay
 
 
-def host_ms(step, calls: int = 20) -> float:
-    """Host time to issue one ``step`` while the GPU is busy with a spin kernel."""
+def host_ms(step, calls: int = 8) -> float:
+    """Host time to issue one ``step`` while the GPU is busy with a spin kernel. Few calls: past about
+    a thousand pending launches the driver makes the host wait for the GPU."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()
