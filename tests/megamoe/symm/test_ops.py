@@ -12,6 +12,8 @@ The GPU run of the compiled layer (inductor) is in test_gpu_symm.py.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -97,21 +99,26 @@ def test_every_fake_implementation_matches_its_op(tmp_path) -> None:
 
 
 def _compiled_rank(rank: int, world: int) -> dict[str, bool]:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     from megamoe import fused_mega_moe
 
-    torch._dynamo.config.disable = False  # the rank workers start with dynamo off (tests/_dist.py)
+    os.environ.pop("TORCHDYNAMO_DISABLE", None)  # the rank workers start with dynamo off (tests/_dist.py)
+    torch._dynamo.config.disable = False
     group, x, idx, tw, w1, w2, dy = _setup(rank, world)
 
     def layer(x, tw, w1, w2):
         return fused_mega_moe(x, idx, tw, w1, w2, group=group, backend="triton")
 
-    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
     outs = []
     for fn in (layer, compiled):
         leaves = [t.clone().requires_grad_() for t in (x, tw, w1, w2)]
         y = fn(*leaves)
         outs.append((y.detach(), *torch.autograd.grad(y, leaves, dy)))
-    return {name: torch.equal(eager, got) for name, eager, got in zip(GRADS, *outs, strict=True)}
+    report = {name: torch.equal(eager, got) for name, eager, got in zip(GRADS, *outs, strict=True)}
+    return {**report, "traced once": counter.frame_count == 1}
 
 
 @pytest.mark.slow
