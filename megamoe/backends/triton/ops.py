@@ -6,9 +6,9 @@ GEMM1 emits ``h`` (saved by stage 2 for the SwiGLU backward) and, from its epilo
 Legend: T tokens, H hidden, I intermediate, G local experts, K top-k, R = T*K expert-sorted rows.
 
 Custom ops make each step one opaque node for torch.compile (dynamo never traces a Triton launch or
-its TMA descriptors; eager calls skip the op's dispatch, :mod:`megamoe.backends.opaque`) and keep every
-shape static, so the steps also capture in a CUDA graph. The
-routing plan travels as its tensors; the launch configuration is chosen from static shapes only.
+its TMA descriptors; eager calls skip the op's dispatch, :mod:`megamoe.backends.opaque`) and keep
+every shape static, so the steps also capture in a CUDA graph. The routing plan travels as its
+tensors; the launch configuration is chosen from static shapes only.
 """
 
 from __future__ import annotations
