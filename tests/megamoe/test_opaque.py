@@ -41,15 +41,18 @@ def test_the_op_is_registered_with_its_fake() -> None:
 
 def test_dynamo_sees_one_opaque_node(monkeypatch) -> None:
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)  # the suite runs with dynamo off
-    monkeypatch.setattr(torch._dynamo.config, "disable", False)
-    torch._dynamo.reset()
     seen: list[str] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return gm
 
-    fn = torch.compile(lambda x: scaled_copy(x, 2.0) + 1, backend=backend, fullgraph=True)
     x = torch.arange(4.0)
-    assert torch.equal(fn(x), x * 2 + 1)
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(disable=False):
+            fn = torch.compile(lambda x: scaled_copy(x, 2.0) + 1, backend=backend, fullgraph=True)
+            assert torch.equal(fn(x), x * 2 + 1)
+    finally:
+        torch._dynamo.reset()
     assert any("megamoe_test.scaled_copy" in target for target in seen), seen
