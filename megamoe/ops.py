@@ -98,7 +98,13 @@ def _validate(
                 f"values in [{lo}, {hi}]",
                 f"expert ids must be in [0, E={num_experts}) or -1 for a dropped slot (E = G={G} x EP={ep})",
             )
-    elif topk_idx.numel():
+
+
+def _assert_expert_ids(topk_idx: Tensor, num_experts: int) -> None:
+    """The check of the expert ids where :func:`_validate` cannot read them on the host (on GPUs, under
+    torch.compile), asynchronous: for backends whose plan does not check them itself."""
+    on_host = topk_idx.device.type == "cpu" and not torch.compiler.is_compiling()
+    if topk_idx.numel() and not on_host:
         torch._assert_async(
             ((topk_idx >= -1) & (topk_idx < num_experts)).all(),
             f"topk_idx: expert ids must be in [0, {num_experts}) or -1",
@@ -207,6 +213,8 @@ def _select_backend(
         ep_size=_ep_size(group),
         settings=settings,
     )
+    if not impl.checks_expert_ids:
+        _assert_expert_ids(topk_idx, w1.shape[0] * _ep_size(group))
     if impl.native_autograd:
         impl.check(x, topk_idx, w1, w2, group)
     return impl

@@ -37,6 +37,9 @@ class ExpertBackend(Protocol):
     native_autograd: bool
     """True for a backend that owns its autograd graph (:class:`NativeAutogradBackend`): the ops call
     its ``stage1``/``stage2``/``fused`` instead of the stage methods below."""
+    checks_expert_ids: bool
+    """True for a backend whose plan fails on expert ids outside ``[-1, E)`` itself (on the device, as
+    part of building it); the ops check the others' ids with torch ops of their own."""
 
     def with_stage1_state(self, plan: Any, state: tuple[Tensor, ...]) -> Any:
         """The plan with the tensors stage 1 returned after ``act`` (most backends return none)."""
@@ -114,6 +117,7 @@ class StagedBackend:
     """Defaults of :class:`ExpertBackend` for backends whose stages the ops' autograd functions drive."""
 
     native_autograd = False
+    checks_expert_ids = False
 
     def with_stage1_state(self, plan: Any, state: tuple[Tensor, ...]) -> Any:
         return plan

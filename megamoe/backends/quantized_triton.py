@@ -89,6 +89,7 @@ class QuantizedTritonBackend(StagedBackend):
 
     def __init__(self, transport: Transport, experts: RowExperts) -> None:
         self.transport = transport
+        self.checks_expert_ids = transport.checks_expert_ids
         self.experts = experts
         self.name = experts.name
         self.weight_cache = experts.weight_cache

@@ -35,6 +35,7 @@ class TritonBackend(StagedBackend):
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
+        self.checks_expert_ids = transport.checks_expert_ids
 
     def make_plan(self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None) -> Rows:
         bm = block_m(topk_idx_TK.device)

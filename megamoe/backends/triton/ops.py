@@ -84,8 +84,7 @@ def gemm1_forward(
             a_rows=row_token_R,
             act=act,
         )
-        zero_padding_rows(h, expert_start_G1)
-        zero_padding_rows(act, expert_start_G1)
+        zero_padding_rows(expert_start_G1, h, act)
     return h, act
 
 

@@ -1,8 +1,8 @@
-"""Zero the padding rows of an ``[R, N]`` row buffer: rows ``>= expert_start[G]`` carry no routed slot.
+"""Zero the padding rows of ``[R, N]`` row buffers: rows ``>= expert_start[G]`` carry no routed slot.
 
 The plan has static shapes (R = T*K rows) so that nothing syncs with the host; dropped slots sort to
 the end and no GEMM tile covers them. This kernel gives those rows defined values (zeros) at the cost
-of one launch that exits at once when nothing was dropped.
+of one launch (for up to two buffers of the same rows) that exits at once when nothing was dropped.
 """
 
 from __future__ import annotations
@@ -13,25 +13,36 @@ from torch import Tensor
 
 
 @triton.jit
-def _zero_padding_rows_kernel(out_ptr, valid_rows_ptr, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+def _zero_rows(out_ptr, rows, mask_r, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    for n0 in range(0, N, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        ptrs = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+        zeros = tl.zeros((BLOCK_R, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+        tl.store(ptrs, zeros, mask=mask_r[:, None] & (cols[None, :] < N))
+
+
+@triton.jit
+def _zero_padding_rows_kernel(
+    a_ptr, b_ptr, valid_rows_ptr, R, NA, NB, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr
+):
     valid = tl.load(valid_rows_ptr)
     r0 = tl.program_id(0) * BLOCK_R
     if r0 + BLOCK_R > valid:
         rows = r0 + tl.arange(0, BLOCK_R)
         mask_r = (rows >= valid) & (rows < R)
-        for n0 in range(0, N, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
-            ptrs = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-            zeros = tl.zeros((BLOCK_R, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-            tl.store(ptrs, zeros, mask=mask_r[:, None] & (cols[None, :] < N))
+        _zero_rows(a_ptr, rows, mask_r, NA, BLOCK_R, BLOCK_N)
+        _zero_rows(b_ptr, rows, mask_r, NB, BLOCK_R, BLOCK_N)
 
 
-def zero_padding_rows(out_RN: Tensor, expert_start_G1: Tensor) -> None:
-    """Zero rows ``expert_start_G1[-1]:`` of the contiguous ``out_RN`` without reading the count on the host."""
-    R, N = out_RN.shape
+def zero_padding_rows(expert_start_G1: Tensor, a_RN: Tensor, b_RM: Tensor | None = None) -> None:
+    """Zero rows ``expert_start_G1[-1]:`` of the contiguous ``a_RN`` (and of ``b_RM``, same rows) without
+    reading the count on the host."""
+    R, N = a_RN.shape
+    M = 0 if b_RM is None else b_RM.shape[1]
     if R == 0:
         return
     block_r = 32
     _zero_padding_rows_kernel[(triton.cdiv(R, block_r),)](
-        out_RN, expert_start_G1[-1:], R, N, BLOCK_R=block_r, BLOCK_N=min(triton.next_power_of_2(N), 256)
-    )
+        a_RN, a_RN if b_RM is None else b_RM, expert_start_G1[-1:], R, N, M, BLOCK_R=block_r,
+        BLOCK_N=min(triton.next_power_of_2(max(N, M)), 256),
+    )  # fmt: skip

@@ -3,14 +3,18 @@
 Legend: T tokens, K top-k, G local experts, S = T*K slots, R = S rows (static: dropped slots sort
 last and no tile covers them), X tile-table capacity ``ceil(R / BLOCK_M) + G``.
 
-Four small Triton launches on static shapes build the tables (no host sync, so the op captures in
-a CUDA graph), as a stable counting sort::
+Small Triton launches on static shapes build the tables (no host sync, so the op captures in a CUDA
+graph), as a stable counting sort over bins: the experts, then ``G`` for dropped slots, then ``G + 1``
+for ids outside ``[-1, G)`` (counted so that a check costs no extra pass)::
 
-    block histograms  counts[b, e] = #slots of block b routed to e   (e = G: dropped)
+    block histograms  counts[b, e] = #slots of block b in bin e
     totals            totals[e] = sum_b counts[b, e]                  (programs split the bins)
     offsets           expert_start = exclusive cumsum over e of totals[e];
                       base[b, e] = expert_start[e] + sum_{b' < b} counts[b', e]; the tile table
-    scatter           row(s) = base[block(s), e(s)] + #earlier slots of block(s) routed to e(s)
+    scatter           row(s) = base[block(s), e(s)] + #earlier slots of block(s) in bin e(s)
+
+Few slots (``S * bins <= ONE_PROGRAM_CELLS``) take one launch instead of four: one program runs the
+histogram over all blocks, the offsets, then the scatter, carrying each bin's next row.
 
 * ``row_slot_R``: the slot ``t*K + k`` of each expert-sorted row (stable sort by expert id, so the
   order, and every sum over it, is the same on every run);
@@ -30,6 +34,10 @@ import triton.language as tl
 from torch import Tensor
 
 from megamoe.backends.opaque import opaque_op
+
+ONE_PROGRAM_CELLS = 1 << 16
+"""slots x bins up to which one program builds the whole plan (four launches become one: at small T the
+host's time per launch is the layer's time); past it the passes below run over many programs."""
 
 OFFSET_COLUMNS = 16
 """expert bins per program of the totals and offsets kernels: the [blocks, bins] count matrix is read by
@@ -141,12 +149,115 @@ def _pick_slots_kernel(values_ptr, slot_row_ptr, out_ptr, S, BLOCK: tl.constexpr
 
 
 @triton.jit
+def _slot_keys(idx_ptr, slots, S, G, BINS: tl.constexpr):
+    """Each slot's bin: its expert, ``G`` for a dropped slot (-1), ``G + 1`` for an id outside
+    ``[-1, G)``; ``BINS`` (no bin) past ``S``."""
+    expert = tl.load(idx_ptr + slots, mask=slots < S, other=-1)
+    key = tl.where((expert >= 0) & (expert < G), expert, tl.where(expert == -1, G, G + 1)).to(tl.int32)
+    return tl.where(slots < S, key, BINS)
+
+
+@triton.jit
+def _onehot(key, BINS: tl.constexpr):
+    return (key[:, None] == tl.arange(0, BINS)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _store_rows(slots, key, onehot, base, row_slot_ptr, row_token_ptr, slot_row_ptr, S, G, K):
+    """Scatter a block of slots to their rows: ``base`` (per slot) plus the number of earlier slots of
+    the block in the same bin, so that equal experts keep slot order."""
+    in_range = slots < S
+    row = base + tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+    tl.store(row_slot_ptr + row, slots, mask=in_range)
+    tl.store(row_token_ptr + row, slots // K, mask=in_range)
+    tl.store(slot_row_ptr + slots, tl.where(key < G, row, -1), mask=in_range)
+
+
+@triton.jit
+def _store_plan_offsets(
+    total,
+    expert_start_ptr,
+    tiles_ptr,
+    num_tiles_ptr,
+    ids_ok_ptr,
+    G,
+    max_tiles,
+    first_chunk,
+    BLOCK_M: tl.constexpr,
+    BINS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """From the bin totals: expert offsets, the used tile count and whether every id was valid (when
+    ``first_chunk`` is 0), and every ``num_programs``-th ``CHUNK`` of the tile table from
+    ``first_chunk`` on."""
+    bins = tl.arange(0, BINS)
+    chunk = tl.arange(0, CHUNK)
+    start = tl.cumsum(total, axis=0) - total
+    is_expert = bins < G
+    tiles = tl.where(is_expert, (total + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_end = tl.cumsum(tiles, axis=0)
+    if first_chunk == 0:
+        tl.store(expert_start_ptr + bins, start, mask=bins <= G)
+        tl.store(num_tiles_ptr, tl.sum(tiles, axis=0))
+        tl.store(ids_ok_ptr, (tl.sum(tl.where(bins == G + 1, total, 0), axis=0) == 0).to(tl.int32))
+    seg_end = tl.where(is_expert, start + total, 0)
+    for t0 in range(first_chunk, max_tiles, tl.num_programs(0) * CHUNK):
+        tile = t0 + chunk
+        # expert of a tile = number of experts whose tiles all end at or before it
+        expert = tl.sum(((tile_end[None, :] <= tile[:, None]) & is_expert[None, :]).to(tl.int32), axis=1)
+        pick = bins[None, :] == expert[:, None]
+        first_tile = tl.sum(tl.where(pick, tile_end - tiles, 0), axis=1)
+        row0 = tl.sum(tl.where(pick, start, 0), axis=1) + (tile - first_tile) * BLOCK_M
+        used = expert < G
+        row_end = tl.sum(tl.where(pick, seg_end, 0), axis=1)
+        ok = tile < max_tiles
+        tl.store(tiles_ptr + 3 * tile, tl.where(used, expert, -1), mask=ok)
+        tl.store(tiles_ptr + 3 * tile + 1, tl.where(used, row0, 0), mask=ok)
+        tl.store(tiles_ptr + 3 * tile + 2, tl.where(used, row_end, 0), mask=ok)
+
+
+@triton.jit
+def _one_program_kernel(
+    idx_ptr,
+    row_slot_ptr,
+    row_token_ptr,
+    slot_row_ptr,
+    expert_start_ptr,
+    tiles_ptr,
+    num_tiles_ptr,
+    ids_ok_ptr,
+    S,
+    G,
+    K,
+    max_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BINS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """The whole plan in one program, for few slots: a histogram pass over the slots, the offsets, then
+    a scatter pass that carries each bin's next free row from block to block."""
+    total = tl.zeros((BINS,), dtype=tl.int32)
+    for s0 in range(0, S, BLOCK_S):
+        total += tl.sum(_onehot(_slot_keys(idx_ptr, s0 + tl.arange(0, BLOCK_S), S, G, BINS), BINS), axis=0)
+    _store_plan_offsets(
+        total, expert_start_ptr, tiles_ptr, num_tiles_ptr, ids_ok_ptr, G, max_tiles, 0,
+        BLOCK_M=BLOCK_M, BINS=BINS, CHUNK=CHUNK,
+    )  # fmt: skip
+    next_row = tl.cumsum(total, axis=0) - total
+    for s0 in range(0, S, BLOCK_S):
+        slots = s0 + tl.arange(0, BLOCK_S)
+        key = _slot_keys(idx_ptr, slots, S, G, BINS)
+        onehot = _onehot(key, BINS)
+        base = tl.sum(onehot * next_row[None, :], axis=1)
+        _store_rows(slots, key, onehot, base, row_slot_ptr, row_token_ptr, slot_row_ptr, S, G, K)
+        next_row += tl.sum(onehot, axis=0)
+
+
+@triton.jit
 def _histogram_kernel(idx_ptr, counts_ptr, S, G, BLOCK_S: tl.constexpr, BINS: tl.constexpr):
     slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    expert = tl.load(idx_ptr + slots, mask=slots < S, other=-1).to(tl.int32)
-    key = tl.where((expert >= 0) & (expert < G), expert, G)
-    key = tl.where(slots < S, key, BINS)  # out of range: matches no bin
-    onehot = (key[:, None] == tl.arange(0, BINS)[None, :]).to(tl.int32)
+    onehot = _onehot(_slot_keys(idx_ptr, slots, S, G, BINS), BINS)
     tl.store(counts_ptr + tl.program_id(0) * BINS + tl.arange(0, BINS), tl.sum(onehot, axis=0))
 
 
@@ -172,6 +283,7 @@ def _offsets_kernel(
     expert_start_ptr,
     tiles_ptr,
     num_tiles_ptr,
+    ids_ok_ptr,
     num_blocks,
     G,
     max_tiles,
@@ -187,12 +299,6 @@ def _offsets_kernel(
     chunk = tl.arange(0, CHUNK)
     total = tl.load(totals_ptr + bins)
     start = tl.cumsum(total, axis=0) - total
-    is_expert = bins < G
-    tiles = tl.where(is_expert, (total + BLOCK_M - 1) // BLOCK_M, 0)
-    tile_end = tl.cumsum(tiles, axis=0)
-    if pid == 0:
-        tl.store(expert_start_ptr + bins, start, mask=bins <= G)
-        tl.store(num_tiles_ptr, tl.sum(tiles, axis=0))
     # base[b, e] = start[e] + sum_{b' < b} counts[b', e], for my bins
     cols = pid * COLS + tl.arange(0, COLS)
     carry = tl.sum(tl.where(bins[None, :] == cols[:, None], start[None, :], 0), axis=1)
@@ -202,20 +308,10 @@ def _offsets_kernel(
         c = tl.load(counts_ptr + ptrs, mask=rows_ok, other=0)
         tl.store(base_ptr + ptrs, carry[None, :] + tl.cumsum(c, axis=0) - c, mask=rows_ok)
         carry += tl.sum(c, axis=0)
-    seg_end = tl.where(is_expert, start + total, 0)
-    for t0 in range(pid * CHUNK, max_tiles, tl.num_programs(0) * CHUNK):
-        tile = t0 + chunk
-        # expert of a tile = number of experts whose tiles all end at or before it
-        expert = tl.sum(((tile_end[None, :] <= tile[:, None]) & is_expert[None, :]).to(tl.int32), axis=1)
-        pick = bins[None, :] == expert[:, None]
-        first_tile = tl.sum(tl.where(pick, tile_end - tiles, 0), axis=1)
-        row0 = tl.sum(tl.where(pick, start, 0), axis=1) + (tile - first_tile) * BLOCK_M
-        used = expert < G
-        row_end = tl.sum(tl.where(pick, seg_end, 0), axis=1)
-        ok = tile < max_tiles
-        tl.store(tiles_ptr + 3 * tile, tl.where(used, expert, -1), mask=ok)
-        tl.store(tiles_ptr + 3 * tile + 1, tl.where(used, row0, 0), mask=ok)
-        tl.store(tiles_ptr + 3 * tile + 2, tl.where(used, row_end, 0), mask=ok)
+    _store_plan_offsets(
+        total, expert_start_ptr, tiles_ptr, num_tiles_ptr, ids_ok_ptr, G, max_tiles, pid * CHUNK,
+        BLOCK_M=BLOCK_M, BINS=BINS, CHUNK=CHUNK,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -232,78 +328,61 @@ def _scatter_kernel(
     BINS: tl.constexpr,
 ):
     slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    in_range = slots < S
-    expert = tl.load(idx_ptr + slots, mask=in_range, other=-1).to(tl.int32)
-    valid = (expert >= 0) & (expert < G)
-    key = tl.where(valid, expert, G)
-    key = tl.where(in_range, key, BINS)
-    onehot = (key[:, None] == tl.arange(0, BINS)[None, :]).to(tl.int32)
-    earlier = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
-    base = tl.load(base_ptr + tl.program_id(0) * BINS + key, mask=in_range, other=0)
-    row = base + earlier
-    tl.store(row_slot_ptr + row, slots, mask=in_range)
-    tl.store(row_token_ptr + row, slots // K, mask=in_range)
-    tl.store(slot_row_ptr + slots, tl.where(valid, row, -1), mask=in_range)
+    key = _slot_keys(idx_ptr, slots, S, G, BINS)
+    base = tl.load(base_ptr + tl.program_id(0) * BINS + key, mask=slots < S, other=0)
+    _store_rows(slots, key, _onehot(key, BINS), base, row_slot_ptr, row_token_ptr, slot_row_ptr, S, G, K)
 
 
-def build_routing_plan(topk_idx_TK: Tensor, *, num_experts: int, block_m: int) -> RoutingPlan:
-    """Sort the (token, k) slots by expert and cut each expert's rows into BLOCK_M tiles, on device."""
+def build_routing_plan(
+    topk_idx_TK: Tensor, *, num_experts: int, block_m: int, check_ids: bool = False
+) -> RoutingPlan:
+    """Sort the (token, k) slots by expert and cut each expert's rows into BLOCK_M tiles, on device.
+
+    ``check_ids``: fail (asynchronously, as a device-side assert) if an id is outside ``[-1, G)``;
+    the tables count such ids anyway, so the check costs one launch and no pass over ``topk_idx``."""
     T, K = topk_idx_TK.shape
     S, G = T * K, num_experts
     device = topk_idx_TK.device
     interpret = device.type != "cuda"
-    bins = triton.next_power_of_2(G + 1)
+    bins = triton.next_power_of_2(G + 2)  # the experts, dropped slots, invalid ids
     block_s = 16 if interpret else max(16, min(1024, 16384 // bins))
     num_blocks = triton.cdiv(S, block_s)
     warps = 1 if interpret else 8
     max_tiles = tile_table_rows(S, G, block_m)
     idx_S = topk_idx_TK.reshape(-1)
-    counts = torch.empty(max(num_blocks, 1), bins, dtype=torch.int32, device=device)
-    base = torch.empty_like(counts)
     row_slot_R = torch.empty(S, dtype=torch.int32, device=device)
     row_token_R = torch.empty(S, dtype=torch.int32, device=device)
     slot_row_S = torch.empty(S, dtype=torch.int32, device=device)
     expert_start_G1 = torch.empty(G + 1, dtype=torch.int32, device=device)
     tiles_X3 = torch.empty(max_tiles, 3, dtype=torch.int32, device=device)
     num_tiles_1 = torch.empty(1, dtype=torch.int32, device=device)
-    totals = torch.empty(bins, dtype=torch.int32, device=device)
-    cols = min(bins, OFFSET_COLUMNS)
+    ids_ok_1 = torch.empty(1, dtype=torch.int32, device=device)
     chunk = 16 if interpret else max(16, min(256, 8192 // bins))  # [chunk, bins] tiles of 8K: no spills
-    if num_blocks:
+    tables = (expert_start_G1, tiles_X3, num_tiles_1, ids_ok_1)
+    if S * bins <= ONE_PROGRAM_CELLS:
+        _one_program_kernel[(1,)](
+            idx_S, row_slot_R, row_token_R, slot_row_S, *tables, S, G, K, max_tiles,
+            BLOCK_M=block_m, BLOCK_S=block_s, BINS=bins, CHUNK=chunk, num_warps=warps,
+        )  # fmt: skip
+    else:
+        counts = torch.empty(num_blocks, bins, dtype=torch.int32, device=device)
+        base = torch.empty_like(counts)
+        totals = torch.empty(bins, dtype=torch.int32, device=device)
+        cols = min(bins, OFFSET_COLUMNS)
         _histogram_kernel[(num_blocks,)](idx_S, counts, S, G, BLOCK_S=block_s, BINS=bins, num_warps=warps)
-    _totals_kernel[(bins // cols,)](
-        counts, totals, num_blocks, BINS=bins, COLS=cols, CHUNK=chunk, num_warps=warps
-    )
-    _offsets_kernel[(bins // cols,)](
-        counts,
-        totals,
-        base,
-        expert_start_G1,
-        tiles_X3,
-        num_tiles_1,
-        num_blocks,
-        G,
-        max_tiles,
-        BLOCK_M=block_m,
-        BINS=bins,
-        COLS=cols,
-        CHUNK=chunk,
-        num_warps=warps,
-    )
-    if num_blocks:
-        _scatter_kernel[(num_blocks,)](
-            idx_S,
-            base,
-            row_slot_R,
-            row_token_R,
-            slot_row_S,
-            S,
-            G,
-            K,
-            BLOCK_S=block_s,
-            BINS=bins,
-            num_warps=warps,
+        _totals_kernel[(bins // cols,)](
+            counts, totals, num_blocks, BINS=bins, COLS=cols, CHUNK=chunk, num_warps=warps
         )
+        _offsets_kernel[(bins // cols,)](
+            counts, totals, base, *tables, num_blocks, G, max_tiles,
+            BLOCK_M=block_m, BINS=bins, COLS=cols, CHUNK=chunk, num_warps=warps,
+        )  # fmt: skip
+        _scatter_kernel[(num_blocks,)](
+            idx_S, base, row_slot_R, row_token_R, slot_row_S, S, G, K, BLOCK_S=block_s, BINS=bins,
+            num_warps=warps,
+        )  # fmt: skip
+    if check_ids:
+        torch._assert_async(ids_ok_1, f"topk_idx: expert ids must be in [0, {G}) or -1 for a dropped slot")
     return RoutingPlan(
         num_tokens=T,
         topk=K,

@@ -88,17 +88,21 @@ class LocalTransport:
     """One GPU (or an EP group of one)."""
 
     name = "local"
+    checks_expert_ids = True
+    """the routing plan counts ids outside ``[-1, E)`` and asserts on the device that there were none"""
 
     def rows(
         self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None, block_m: int
     ) -> LocalRows:
-        return LocalRows(build_routing_plan(topk_idx_TK, num_experts=num_experts, block_m=block_m))
+        plan = build_routing_plan(topk_idx_TK, num_experts=num_experts, block_m=block_m, check_ids=True)
+        return LocalRows(plan)
 
 
 class AllToAllTransport:
     """EP over any process group with ``all_to_all_single`` (NCCL on GPUs, gloo on CPUs)."""
 
     name = "nccl"
+    checks_expert_ids = False
 
     def rows(
         self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None, block_m: int

@@ -23,7 +23,9 @@ stream reads or writes outlives the op's stream order)::
     ...
     rows_RH = gather.rows()               # this stream waits for the side stream
 
-Off CUDA (the CPU interpreter) everything runs in order on the one stream there is.
+Off CUDA (the CPU interpreter) everything runs in order on the one stream there is, and so do gathers
+of less than ``SIDE_STREAM_MIN_BYTES``: the fork and join cost the host more than such a copy costs
+the GPU (at small T the host's time is the layer's time).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ GEMM_REGISTER_CAP = 224
 """registers a thread of an 8-warp GEMM program that a gather runs beside may hold"""
 GATHER_MAX_REGISTERS = (65536 - 256 * GEMM_REGISTER_CAP) // (32 * NUM_WARPS)
 """64: what is left of an SM's 64K registers, over the gather program's 128 threads"""
+SIDE_STREAM_MIN_BYTES = 16 << 20
+"""gathered bytes from which a gather runs on the side stream (16 MiB: about 10 us of an H200's copy)"""
 
 
 @triton.jit
@@ -132,7 +136,7 @@ class RowGather:
         # allocated on the current stream, which frees it after the consumer: no record_stream needed
         self._out = src_TH.new_empty(index_R.numel(), src_TH.shape[1])
         self._side: torch.cuda.Stream | None = None
-        if src_TH.is_cuda:
+        if src_TH.is_cuda and self._out.nbytes >= SIDE_STREAM_MIN_BYTES:
             self._side = _side_stream(src_TH.device.index)
             # the fork point: the side stream sees everything enqueued so far (the source, the index,
             # earlier users of the output's memory) and nothing enqueued after, i.e. not the GEMM
@@ -140,7 +144,8 @@ class RowGather:
         self._started = False
 
     def start(self) -> None:
-        """Enqueue the gather (on the side stream on CUDA): call it right after the GEMM's launch."""
+        """Enqueue the gather (on the side stream where it has one): call it right after the GEMM's
+        launch."""
         if self._side is None:
             gather_rows(self._src, self._index, self._out)
         else:

@@ -121,7 +121,7 @@ class FP8Experts:
         h = rows.new_empty(r.num_rows, w1_G2IH.shape[1])
         if h.numel():
             self._gemm(self._rowwise(rows, plan, a_rows), self._w(w1_G2IH, transposed=False), h, plan, a_rows)
-            zero_padding_rows(h, r.expert_start_G1)
+            zero_padding_rows(r.expert_start_G1, h)
         return h
 
     def gemm2(self, h_R2I: Tensor, w2_GHI: Tensor, plan: RowPlan) -> Tensor:
@@ -157,7 +157,7 @@ class FP8Experts:
             aw = swiglu_backward_quant(
                 h_R2I, da, weights_R, dh, d_weights, r.expert_start_G1, plan.block_start_G1, plan.num_blocks
             )
-            zero_padding_rows(dh, r.expert_start_G1)
+            zero_padding_rows(r.expert_start_G1, dh)
             if need_dw2:
                 self._wgrad(self._along_r(dy_rows, plan, a_rows), aw, dw2, plan)
         return dh, d_weights, dw2

@@ -136,7 +136,7 @@ class MXExperts:
             self._gemm(
                 self._quantize(rows, plan, a_rows), self._w(w1_G2IH, transposed=False), h, plan, a_rows
             )
-            zero_padding_rows(h, r.expert_start_G1)
+            zero_padding_rows(r.expert_start_G1, h)
         return h
 
     def gemm2(
@@ -174,7 +174,7 @@ class MXExperts:
             aw = swiglu_backward_quant(
                 h_R2I, da, weights_R, dh, d_weights, r.expert_start_G1, plan.block_start_G1, plan.num_blocks
             )
-            zero_padding_rows(dh, r.expert_start_G1)
+            zero_padding_rows(r.expert_start_G1, dh)
             if need_dw2:
                 self._wgrad(self._along_r(dy_rows, plan, a_rows), aw, dw2, plan)
         return dh, d_weights, dw2

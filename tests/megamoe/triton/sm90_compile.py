@@ -39,8 +39,10 @@ from megamoe.backends.triton.grouped_gemm import _grouped_gemm_kernel
 from megamoe.backends.triton.padding import _zero_padding_rows_kernel
 from megamoe.backends.triton.routing import (
     OFFSET_COLUMNS,
+    ONE_PROGRAM_CELLS,
     _histogram_kernel,
     _offsets_kernel,
+    _one_program_kernel,
     _scatter_kernel,
     _totals_kernel,
 )
@@ -207,8 +209,9 @@ def _swiglu_blocks(inter: int) -> tuple[int, int]:
 
 
 def _routing(experts: int) -> dict:
-    """routing.build_routing_plan on CUDA (BINS, BLOCK_S and CHUNK depend on the local expert count)."""
-    bins = triton.next_power_of_2(experts + 1)
+    """routing.build_routing_plan on CUDA (BINS, BLOCK_S and CHUNK depend on the local expert count): the
+    four launches at the bench shape, and the one-program plan at the most slots it takes."""
+    bins = triton.next_power_of_2(experts + 2)
     block_s = max(16, min(1024, 16384 // bins))
     chunk = max(16, min(256, 8192 // bins))
     S = T * TOPK
@@ -217,20 +220,27 @@ def _routing(experts: int) -> dict:
     hist = dict(idx_ptr="*i64", counts_ptr="*i32", S=S, G=experts, BLOCK_S=block_s, BINS=bins)
     cols = min(bins, OFFSET_COLUMNS)
     totals = dict(counts_ptr="*i32", totals_ptr="*i32", num_blocks=blocks, BINS=bins, COLS=cols, CHUNK=chunk)
+    tables = dict(expert_start_ptr="*i32", tiles_ptr="*i32", num_tiles_ptr="*i32", ids_ok_ptr="*i32")
     offsets = dict(
-        counts_ptr="*i32", totals_ptr="*i32", base_ptr="*i32", expert_start_ptr="*i32", tiles_ptr="*i32",
-        num_tiles_ptr="*i32", num_blocks=blocks, G=experts, max_tiles=triton.cdiv(S, 128) + experts,
-        BLOCK_M=128, BINS=bins, COLS=cols, CHUNK=chunk,
+        counts_ptr="*i32", totals_ptr="*i32", base_ptr="*i32", **tables, num_blocks=blocks, G=experts,
+        max_tiles=triton.cdiv(S, 128) + experts, BLOCK_M=128, BINS=bins, COLS=cols, CHUNK=chunk,
     )  # fmt: skip
     scatter = dict(
         idx_ptr="*i64", base_ptr="*i32", row_slot_ptr="*i32", row_token_ptr="*i32", slot_row_ptr="*i32",
         S=S, G=experts, K=TOPK, BLOCK_S=block_s, BINS=bins,
+    )  # fmt: skip
+    few = ONE_PROGRAM_CELLS // bins
+    one_program = dict(
+        idx_ptr="*i64", row_slot_ptr="*i32", row_token_ptr="*i32", slot_row_ptr="*i32", **tables, S=few,
+        G=experts, K=TOPK, max_tiles=triton.cdiv(few, 128) + experts, BLOCK_M=128, BLOCK_S=block_s,
+        BINS=bins, CHUNK=chunk,
     )  # fmt: skip
     return {
         f"routing histogram, BINS={bins}": (_histogram_kernel, hist, warps),
         f"routing totals, BINS={bins}": (_totals_kernel, totals, warps),
         f"routing offsets, BINS={bins}": (_offsets_kernel, offsets, warps),
         f"routing scatter, BINS={bins}": (_scatter_kernel, scatter, warps),
+        f"routing in one program, BINS={bins}": (_one_program_kernel, one_program, warps),
     }
 
 
@@ -245,7 +255,7 @@ def _small_kernels() -> dict:
         d_weight_ptr="*fp32", valid_ptr="*i32", R=R, I=I, BLOCK_R=min(block_r, 16), BLOCK_I=block_i,
     )  # fmt: skip
     padding = dict(
-        out_ptr="*bf16", valid_rows_ptr="*i32", R=R, N=2 * I, BLOCK_R=32,
+        a_ptr="*bf16", b_ptr="*bf16", valid_rows_ptr="*i32", R=R, NA=2 * I, NB=I, BLOCK_R=32,
         BLOCK_N=min(triton.next_power_of_2(2 * I), 256),
     )  # fmt: skip
     gather = dict(

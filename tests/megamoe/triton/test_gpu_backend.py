@@ -233,3 +233,31 @@ def test_triton_gemm1_epilogue_h_equals_plain_gemm1_bitwise(
         a_rows=routing_plan.row_token_R,
     )
     assert torch.equal(h[:valid], h_plain[:valid]), f"h: {_first_mismatch(h[:valid], h_plain[:valid])}"
+
+
+_BAD_ID_SCRIPT = """
+import torch
+from megamoe import fused_mega_moe
+x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+w1 = torch.randn(4, 256, 256, device="cuda", dtype=torch.bfloat16)
+w2 = torch.randn(4, 256, 128, device="cuda", dtype=torch.bfloat16)
+idx = torch.randint(0, 4, (64, 2), device="cuda")
+idx[7, 1] = {bad}
+y = fused_mega_moe(x, idx, torch.rand(64, 2, device="cuda"), w1, w2, backend="triton")
+torch.cuda.synchronize()
+print("no error")
+"""
+
+
+@pytest.mark.parametrize("bad", [4, -2])
+def test_triton_fails_on_an_expert_id_outside_the_experts(bad: int) -> None:
+    """The routing plan's device-side check: the process fails, naming topk_idx, at the next sync (a
+    device assert ends the CUDA context, hence a process of its own)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _BAD_ID_SCRIPT.format(bad=bad)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode != 0 and "no error" not in run.stdout, run.stdout
+    assert "expert ids must be in [0, 4) or -1" in run.stderr, run.stderr[-3000:]

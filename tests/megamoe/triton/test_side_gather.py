@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.backends.triton import tma_rows
+from megamoe.backends.triton import side_gather, tma_rows
 from megamoe.backends.triton.side_gather import RowGather
 
 
@@ -39,11 +39,12 @@ def test_rows_before_start_is_an_error() -> None:
 
 
 @pytest.mark.gpu
-def test_side_stream_gather_is_ordered_against_a_busy_stream() -> None:
+def test_side_stream_gather_is_ordered_against_a_busy_stream(monkeypatch) -> None:
     """The source is written on the current stream just before the fork and the rows are overwritten
     just after the join: a gather that ran early (before the write) or late (after the overwrite)
     would differ from ``src[index]``. ``torch.cuda._sleep`` keeps the current stream busy meanwhile,
     as the dgrad GEMM does."""
+    monkeypatch.setattr(side_gather, "SIDE_STREAM_MIN_BYTES", 0)  # this small gather on the side stream too
     src, index = _problem("cuda")
     fresh = torch.empty_like(src)
     torch.cuda._sleep(50_000_000)  # ~25 ms: the write below is still queued when the gather is enqueued
@@ -58,7 +59,9 @@ def test_side_stream_gather_is_ordered_against_a_busy_stream() -> None:
 
 
 @pytest.mark.gpu
-def test_side_stream_gather_captures_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("side_min_bytes", [0, side_gather.SIDE_STREAM_MIN_BYTES], ids=["side", "inline"])
+def test_side_stream_gather_captures_in_a_cuda_graph(monkeypatch, side_min_bytes: int) -> None:
+    monkeypatch.setattr(side_gather, "SIDE_STREAM_MIN_BYTES", side_min_bytes)
     src, index = _problem("cuda")
     static_src = src.clone()
     out = torch.empty(index.numel(), src.shape[1], device="cuda")
