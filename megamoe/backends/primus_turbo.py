@@ -43,7 +43,6 @@ class PrimusTurboBackend(StagedBackend):
 
     name = "primus_turbo"
     native_autograd = True
-    checks_expert_ids = False
 
     def __init__(self) -> None:
         try:

@@ -189,7 +189,7 @@ def _store_plan_offsets(
 ):
     """From the bin totals: expert offsets, the used tile count and whether every id was valid (when
     ``first_chunk`` is 0), and every ``num_programs``-th ``CHUNK`` of the tile table from
-    ``first_chunk`` on."""
+    ``first_chunk`` on. Returns each bin's first row."""
     bins = tl.arange(0, BINS)
     chunk = tl.arange(0, CHUNK)
     start = tl.cumsum(total, axis=0) - total
@@ -214,6 +214,7 @@ def _store_plan_offsets(
         tl.store(tiles_ptr + 3 * tile, tl.where(used, expert, -1), mask=ok)
         tl.store(tiles_ptr + 3 * tile + 1, tl.where(used, row0, 0), mask=ok)
         tl.store(tiles_ptr + 3 * tile + 2, tl.where(used, row_end, 0), mask=ok)
+    return start
 
 
 @triton.jit
@@ -240,11 +241,10 @@ def _one_program_kernel(
     total = tl.zeros((BINS,), dtype=tl.int32)
     for s0 in range(0, S, BLOCK_S):
         total += tl.sum(_onehot(_slot_keys(idx_ptr, s0 + tl.arange(0, BLOCK_S), S, G, BINS), BINS), axis=0)
-    _store_plan_offsets(
+    next_row = _store_plan_offsets(
         total, expert_start_ptr, tiles_ptr, num_tiles_ptr, ids_ok_ptr, G, max_tiles, 0,
         BLOCK_M=BLOCK_M, BINS=BINS, CHUNK=CHUNK,
     )  # fmt: skip
-    next_row = tl.cumsum(total, axis=0) - total
     for s0 in range(0, S, BLOCK_S):
         slots = s0 + tl.arange(0, BLOCK_S)
         key = _slot_keys(idx_ptr, slots, S, G, BINS)
@@ -297,8 +297,10 @@ def _offsets_kernel(
     pid = tl.program_id(0)
     bins = tl.arange(0, BINS)
     chunk = tl.arange(0, CHUNK)
-    total = tl.load(totals_ptr + bins)
-    start = tl.cumsum(total, axis=0) - total
+    start = _store_plan_offsets(
+        tl.load(totals_ptr + bins), expert_start_ptr, tiles_ptr, num_tiles_ptr, ids_ok_ptr, G, max_tiles,
+        pid * CHUNK, BLOCK_M=BLOCK_M, BINS=BINS, CHUNK=CHUNK,
+    )  # fmt: skip
     # base[b, e] = start[e] + sum_{b' < b} counts[b', e], for my bins
     cols = pid * COLS + tl.arange(0, COLS)
     carry = tl.sum(tl.where(bins[None, :] == cols[:, None], start[None, :], 0), axis=1)
@@ -308,10 +310,6 @@ def _offsets_kernel(
         c = tl.load(counts_ptr + ptrs, mask=rows_ok, other=0)
         tl.store(base_ptr + ptrs, carry[None, :] + tl.cumsum(c, axis=0) - c, mask=rows_ok)
         carry += tl.sum(c, axis=0)
-    _store_plan_offsets(
-        total, expert_start_ptr, tiles_ptr, num_tiles_ptr, ids_ok_ptr, G, max_tiles, pid * CHUNK,
-        BLOCK_M=BLOCK_M, BINS=BINS, CHUNK=CHUNK,
-    )  # fmt: skip
 
 
 @triton.jit
