@@ -9,9 +9,11 @@ H 7168, I 2048) it times with ``triton.testing.do_bench`` (median ms):
 * ``gemm2``: ``o = a W2^T`` (K = I, N = H), rows already expert-sorted (TMA);
 * ``wgrad``: ``dW1 = dh^T x`` (M = 2I, N = H, K = R in 32 expert segments);
 
-each as the bf16 Triton kernel with its own config, then the FP8 kernel for each candidate of
-:data:`GEMM_CANDIDATES` / :data:`WGRAD_CANDIDATES` (the first is the backend's default,
-:mod:`megamoe.backends.triton_fp8.configs`); then the quantisers. Operands are quantised once,
+each as the bf16 Triton kernel with its own config, then the Triton FP8 kernel for each candidate of
+:data:`GEMM_CANDIDATES` / :data:`WGRAD_CANDIDATES` (the first is its default,
+:mod:`megamoe.backends.triton_fp8.configs`), then, on Hopper, the warp-specialised Gluon GEMM the
+backend runs there (``fp8-wgmma``; for gemm1 the quantised rows gathered first, that gather timed with
+it); then the quantisers. Operands are quantised once,
 outside the timing. ``max rel`` compares each output with the default config's (0 up to fp32
 summation order). A candidate that fails to compile or run is reported and the others go on.
 Prints a markdown table (``bf16/FP8`` = bf16 ms / FP8 ms, above 1: FP8 faster) and writes JSON.
@@ -32,10 +34,11 @@ from megamoe.backends.triton.configs import wgrad_config as bf16_wgrad_config
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
 from megamoe.backends.triton.routing import build_routing_plan
 from megamoe.backends.triton.wgrad import grouped_wgrad
-from megamoe.backends.triton_fp8.configs import gemm_config, wgrad_config
+from megamoe.backends.triton_fp8.configs import GPU_WGMMA, gemm_config, wgrad_config
 from megamoe.backends.triton_fp8.grouped_gemm import fp8_grouped_gemm
 from megamoe.backends.triton_fp8.quantize import (
     empty_weight,
+    gather_rows,
     quantize_rows,
     quantize_segments,
     quantize_weight,
@@ -43,6 +46,11 @@ from megamoe.backends.triton_fp8.quantize import (
 )
 from megamoe.backends.triton_fp8.swiglu import swiglu_quant
 from megamoe.backends.triton_fp8.wgrad import fp8_wgrad
+
+try:  # Gluon with Hopper's warpgroup MMA
+    from megamoe.backends.triton_fp8 import wgmma_gemm
+except ImportError:
+    wgmma_gemm = None
 
 GEMM_CANDIDATES: list[dict[str, int]] = [
     {},  # the default (configs.GPU_GEMM_GATHER for gemm1, GPU_GEMM_TMA for gemm2)
@@ -93,7 +101,7 @@ def main() -> None:
     quantize_weight(w2, qw2)
     rows: list[dict] = []
 
-    def sweep(op, flops, bf16_fn, fp8_fn, out_shape, default, candidates):
+    def sweep(op, flops, bf16_fn, fp8_fn, out_shape, default, candidates, wgmma_fn=None):
         bf16_out = torch.empty(out_shape, device=device, dtype=torch.bfloat16)
         rows.append(_row(op, "bf16", {}, flops, lambda: bf16_fn(bf16_out)))
         bf16_ms = rows[-1].get("ms")
@@ -105,6 +113,12 @@ def main() -> None:
             row = _row(op, "fp8", cand or {"default": True}, flops, lambda cfg=cfg, out=out: fp8_fn(out, cfg))
             if not cand and "error" not in row:
                 ref = out
+            _compare(row, out, ref)
+            rows.append(row)
+            print(_fmt(row, bf16_ms), flush=True)
+        if wgmma_fn is not None and wgmma_gemm is not None and wgmma_gemm.supported(device):
+            out = torch.empty(out_shape, device=device, dtype=torch.bfloat16)
+            row = _row(op, "fp8-wgmma", dataclasses.asdict(GPU_WGMMA), flops, lambda: wgmma_fn(out))
             _compare(row, out, ref)
             rows.append(row)
             print(_fmt(row, bf16_ms), flush=True)
@@ -131,6 +145,9 @@ def main() -> None:
         (R, 2 * I),
         gemm_config(device, gather=True),
         GEMM_CANDIDATES,
+        lambda out: wgmma_gemm.wgmma_fp8_grouped_gemm(
+            gather_rows(qx, plan.row_token_R), qw1, out, plan, config=GPU_WGMMA, num_sms=num_sms
+        ),
     )
     sweep(
         "gemm2",
@@ -142,6 +159,7 @@ def main() -> None:
         (R, H),
         gemm_config(device, gather=False),
         GEMM_CANDIDATES,
+        lambda out: wgmma_gemm.wgmma_fp8_grouped_gemm(qa, qw2, out, plan, config=GPU_WGMMA, num_sms=num_sms),
     )
     x_sorted = x.index_select(0, plan.row_token_R.clamp(min=0))
     block_start = segment_block_starts(plan.expert_start_G1)

@@ -6,7 +6,8 @@ scaled and added on the CUDA cores (one FMA per element, a quarter of MXFP8's pe
 waits for the MMA before that FMA, so several programs per SM (one warpgroup each, 128x64 tiles)
 overlap each other's MMA and FMA, which the two warpgroups of one 128x128 program, running in step,
 do not. A GEMM whose rows come by TMA fits three programs on an SM (two pipeline stages); one that
-gathers its rows holds more registers, and fits two.
+gathers its rows holds more registers, and fits two. On Hopper the M-grouped GEMMs run the
+warp-specialised Gluon kernel instead, whose MMA and promotion overlap inside one program.
 ``benchmarks/sweep_fp8_gemm.py`` times the candidates (docs/fp8.md). The CPU interpreter gets tiny
 M and N tiles.
 """
@@ -25,6 +26,11 @@ GPU_GEMM_TMA = TileConfig(
     block_m=BLOCK_M_GPU, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=2, programs_per_sm=3
 )
 """M-grouped FP8 GEMM on CUDA whose rows are in order (TMA)."""
+GPU_WGMMA = TileConfig(
+    block_m=BLOCK_M_GPU, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=5, programs_per_sm=1
+)
+"""The warp-specialised M-grouped FP8 GEMM on Hopper (:mod:`.wgmma_gemm`): two 64-row consumer
+warpgroups and a producer warp, one program an SM (five 32 KB stages)."""
 GPU_WGRAD = TileConfig(
     block_m=128, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3, programs_per_sm=2
 )

@@ -12,6 +12,10 @@ format (the emulation's table, :mod:`megamoe.backends.quantized_reference`):
     fc2 wgrad  dW2 = t(dy)^T t(w a) along R         segment quantiser (dy gathered) + K-grouped GEMM
     fc1 dgrad  dx rows = t(dh) b(W1^T)^T            rowwise quantiser + GEMM; the transport combines
     fc1 wgrad  dW1 = t(dh)^T t(x) along R           segment quantiser (x gathered) + K-grouped GEMM
+
+On Hopper the M-grouped GEMMs run the warp-specialised Gluon kernel of :mod:`.wgmma_gemm` (fc1 fwd and
+fc2 dgrad after a gather of the quantised rows), elsewhere the Triton kernel; both give the same bits.
+The weight gradients write every element, so their outputs start uninitialised (no memset pass).
 """
 
 from __future__ import annotations
@@ -24,16 +28,26 @@ from torch import Tensor
 from megamoe.backends.triton.configs import num_programs
 from megamoe.backends.triton.padding import zero_padding_rows
 from megamoe.backends.triton.routing import RoutingPlan
-from megamoe.backends.triton_fp8.configs import gemm_config, wgrad_config
+from megamoe.backends.triton_fp8.configs import GPU_WGMMA, gemm_config, wgrad_config
 from megamoe.backends.triton_fp8.fp8_math import TILE
 from megamoe.backends.triton_fp8.grouped_gemm import fp8_grouped_gemm
-from megamoe.backends.triton_fp8.quantize import quantize_rows, quantize_segments, segment_block_starts
+from megamoe.backends.triton_fp8.quantize import (
+    gather_rows,
+    quantize_rows,
+    quantize_segments,
+    segment_block_starts,
+)
 from megamoe.backends.triton_fp8.swiglu import swiglu_backward_quant, swiglu_quant
 from megamoe.backends.triton_fp8.weights import weight_cache
 from megamoe.backends.triton_fp8.wgrad import fp8_wgrad
 from megamoe.errors import UnsupportedSettingError
 from megamoe.quant.cache import WeightCache
 from megamoe.quant.fp8 import FP8Tensor
+
+try:  # Gluon (triton.experimental.gluon) with Hopper's warpgroup MMA; other builds use the Triton GEMM
+    from megamoe.backends.triton_fp8 import wgmma_gemm
+except ImportError:
+    wgmma_gemm = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +99,17 @@ class FP8Experts:
 
     @staticmethod
     def _gemm(a: FP8Tensor, b: FP8Tensor, out: Tensor, plan: RowPlan, a_rows: Tensor | None) -> None:
+        """``out = a[a_rows] b^T`` over the plan's tiles. On Hopper, the warp-specialised Gluon kernel
+        after gathering the quantised rows (one byte an element, a copy at memory speed); elsewhere the
+        Triton kernel, which gathers them itself."""
         device = out.device
+        if wgmma_gemm is not None and wgmma_gemm.supported(device):
+            if a_rows is not None:
+                a = gather_rows(a, a_rows)
+            wgmma_gemm.wgmma_fp8_grouped_gemm(
+                a, b, out, plan.routing, config=GPU_WGMMA, num_sms=num_programs(device)
+            )
+            return
         fp8_grouped_gemm(
             a,
             b,
@@ -98,6 +122,7 @@ class FP8Experts:
 
     @staticmethod
     def _wgrad(p: FP8Tensor, q: FP8Tensor, out: Tensor, plan: RowPlan) -> Tensor:
+        """``out = P^T Q`` per expert, every element written (zeros for an expert without rows)."""
         fp8_wgrad(
             p, q, out, plan.block_start_G1, config=wgrad_config(out.device), num_sms=num_programs(out.device)
         )
@@ -148,7 +173,7 @@ class FP8Experts:
         R, inter = h_R2I.shape[0], h_R2I.shape[1] // 2
         dh = h_R2I.new_empty(R, 2 * inter)
         d_weights = torch.zeros(R, dtype=torch.float32, device=h_R2I.device)
-        dw2 = torch.zeros_like(w2_GHI) if need_dw2 else None
+        dw2 = torch.empty_like(w2_GHI) if need_dw2 else None
         if R:
             da = torch.empty(R, inter, dtype=torch.float32, device=h_R2I.device)
             self._gemm(
@@ -160,6 +185,8 @@ class FP8Experts:
             zero_padding_rows(r.expert_start_G1, dh)
             if need_dw2:
                 self._wgrad(self._along_r(dy_rows, plan, a_rows), aw, dw2, plan)
+        elif dw2 is not None:
+            dw2.zero_()
         return dh, d_weights, dw2
 
     def dgrad1(self, grad_h_R2I: Tensor, w1_G2IH: Tensor, plan: RowPlan) -> Tensor:
@@ -174,7 +201,9 @@ class FP8Experts:
         self, grad_h_R2I: Tensor, rows: Tensor, w1_G2IH: Tensor, plan: RowPlan, a_rows: Tensor | None
     ) -> Tensor:
         """``dW1 = t(dh)^T t(x)``, both along R."""
-        dw1 = torch.zeros_like(w1_G2IH)
+        dw1 = torch.empty_like(w1_G2IH)
         if grad_h_R2I.shape[0]:
             self._wgrad(self._along_r(grad_h_R2I, plan, None), self._along_r(rows, plan, a_rows), dw1, plan)
+        else:
+            dw1.zero_()
         return dw1

@@ -76,6 +76,18 @@ def empty_rows(rows: int, cols: int, device: torch.device) -> FP8Tensor:
     )
 
 
+def gather_rows(a: FP8Tensor, index_R: Tensor) -> FP8Tensor:
+    """``a[index_R]``: rows of ``[T, X]`` FP8 in 1×128 tiles (scales stored ``[KB, T]``) gathered into
+    ``[R, X]`` (scales ``[KB, R]``), ``index_R`` int32 in ``[0, T)``. Rowwise tiles move with their rows,
+    so this is the quantised gather of the rows: one byte an element, a copy at memory speed."""
+    R, X = index_R.shape[0], a.data.shape[1]
+    out = empty_rows(R, X, a.data.device)
+    if R and X:
+        torch.index_select(a.data.view(torch.uint8), 0, index_R, out=out.data.view(torch.uint8))
+        torch.index_select(a.scale.t(), 1, index_R, out=out.scale.t())
+    return out
+
+
 def _check_rows(src_RX: Tensor) -> None:
     if src_RX.dim() != 2 or src_RX.stride(1) != 1:
         raise ValueError(

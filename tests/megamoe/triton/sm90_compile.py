@@ -145,6 +145,8 @@ def compile_kernel(kernel, args: dict, *, num_warps: int = 4, num_stages: int = 
         "spill_bytes": spills,
         "cp_async_in_flight": max(waits, default=-1),
         "e4m3_conversions": compiled.asm["ptx"].count("cvt.rn.satfinite.e4m3x2.f32"),
+        # ptxas's C7514: it made every wgmma wait for the previous one (an in-flight accumulator read)
+        "wgmma_serialized": "C7514" in info,
     }
 
 

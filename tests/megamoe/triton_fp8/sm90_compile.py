@@ -15,8 +15,10 @@ import json
 import sys
 
 import triton
+from triton.experimental.gluon import language as gl
 
-from megamoe.backends.triton_fp8.configs import gemm_config, wgrad_config
+from megamoe.backends.triton_fp8 import wgmma_gemm
+from megamoe.backends.triton_fp8.configs import GPU_WGMMA, gemm_config, wgrad_config
 from megamoe.backends.triton_fp8.fp8_math import TILE
 from megamoe.backends.triton_fp8.grouped_gemm import _fp8_grouped_gemm_kernel
 from megamoe.backends.triton_fp8.quantize import (
@@ -48,6 +50,23 @@ def _gemm(*, gather: bool, rows: int, N: int, K: int, out: str) -> tuple:
         **config_constexprs(_fp8_grouped_gemm_kernel, cfg),
     )  # fmt: skip
     return _fp8_grouped_gemm_kernel, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def _wgmma_gemm(*, N: int, K: int, out: str) -> tuple:
+    """wgmma_gemm.wgmma_fp8_grouped_gemm: A ``[R, K]`` gathered or quantised in row order (scales
+    ``[KB, R]`` storage), B viewed ``[G N, K]``, both with the kernel's NVMMA shared layouts."""
+    cfg = GPU_WGMMA
+    kb, nb = -(-K // TILE), -(-N // TILE)
+    a_layout = repr(gl.NVMMASharedLayout.get_default_for([cfg.block_m, TILE], gl.float8e4nv))
+    b_layout = repr(gl.NVMMASharedLayout.get_default_for([cfg.block_n, TILE], gl.float8e4nv))
+    args = dict(
+        a_desc=f"tensordesc<fp8e4nv[{cfg.block_m},{TILE}],{a_layout}>",
+        b_desc=f"tensordesc<fp8e4nv[{cfg.block_n},{TILE}],{b_layout}>", a_scale_ptr="*fp32", b_scale_ptr="*fp32",
+        c_ptr=out, tiles_ptr="*i32", num_tiles_ptr="*i32", N=N, K=K, stride_as_r=1, stride_as_k=R,
+        stride_bs_g=nb * kb, stride_bs_n=kb, stride_bs_k=1, stride_c=N, num_programs=NUM_SMS * cfg.programs_per_sm,
+        BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, CONSUMER_REGS=wgmma_gemm.CONSUMER_REGS,
+    )  # fmt: skip
+    return wgmma_gemm._wgmma_fp8_gemm_kernel, args, {"num_warps": cfg.num_warps}
 
 
 def _wgrad(M: int, N: int) -> tuple:
@@ -112,6 +131,10 @@ LAUNCHES = {
     "gemm: row gather, bf16 out (fc1 fwd)": _gemm(gather=True, rows=T, N=2 * I, K=H, out="*bf16"),
     "gemm: row gather, fp32 out (fc2 dgrad)": _gemm(gather=True, rows=T, N=I, K=H, out="*fp32"),
     "gemm: A by TMA, bf16 out (fc2 fwd, fc1 dgrad)": _gemm(gather=False, rows=R, N=H, K=I, out="*bf16"),
+    "wgmma gemm, bf16 out (fc1 fwd)": _wgmma_gemm(N=2 * I, K=H, out="*bf16"),
+    "wgmma gemm, fp32 out (fc2 dgrad)": _wgmma_gemm(N=I, K=H, out="*fp32"),
+    "wgmma gemm, bf16 out (fc2 fwd)": _wgmma_gemm(N=H, K=I, out="*bf16"),
+    "wgmma gemm, bf16 out (fc1 dgrad)": _wgmma_gemm(N=H, K=2 * I, out="*bf16"),
     "wgrad (K-grouped)": _wgrad(H, I),
     "quantize rows (x, dy)": _quantize_rows(T, H, valid=False),
     "quantize rows, valid rows (dh)": _quantize_rows(R, 2 * I, valid=True),
