@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,25 @@ def time_interleaved(cases: list[tuple[Callable[[], object], list[Tensor]]]) -> 
         for times, (fn, grads) in zip(samples, cases, strict=True):
             times.append(do_bench(fn, warmup=1, rep=ROUND_MS, grad_to_none=grads, return_mode="median"))
     return [statistics.median(times) for times in samples]
+
+
+T = TypeVar("T")
+
+
+def capture(step: Callable[[], T], *, warmup: int) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run ``step`` ``warmup`` times on a side stream (compiles, lazy allocations and workspaces happen
+    outside the graph), then capture one call in a CUDA graph; returns the graph and that call's
+    outputs. The benches time its replay; the GPU tests compare the replay with eager."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
 
 
 def peak_gib(fn: Callable[[], object]) -> float:

@@ -38,7 +38,7 @@ import click
 import torch
 
 from benchmarks.bench import _inputs, baseline_layer
-from benchmarks.common import ModelShape, time_interleaved
+from benchmarks.common import ModelShape, capture, time_interleaved
 from benchmarks.train_runs import ROOT
 
 SHAPES = {
@@ -89,20 +89,6 @@ def _steps(shape: ModelShape):
     return {"megamoe": ours, "torch": torch_pipeline}
 
 
-def _graphed(step):
-    """``step`` captured in a CUDA graph (warmed on a side stream first); returns its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
 def host_ms(step, calls: int = 8) -> float:
     """Host time to issue one ``step`` while the GPU is busy with a spin kernel. Few calls: past about
     a thousand pending launches the driver makes the host wait for the GPU."""
@@ -133,7 +119,7 @@ def launches(step) -> int:
 def measure(name: str, tokens: int) -> list[Row]:
     steps = _steps(_shape(name, tokens))
     eager = time_interleaved([(fn, []) for fn in steps.values()])
-    replays = {impl: _graphed(step) for impl, step in steps.items()}
+    replays = {impl: capture(step, warmup=3)[0].replay for impl, step in steps.items()}
     graph = time_interleaved([(fn, []) for fn in replays.values()])
     rows = []
     for (impl, step), e_ms, g_ms in zip(steps.items(), eager, graph, strict=True):

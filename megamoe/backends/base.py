@@ -123,6 +123,17 @@ class StagedBackend:
         return plan
 
 
+class TransportBackend(StagedBackend):
+    """A staged backend whose rows move through ``self.transport`` (one GPU, NCCL, ...): its plan checks
+    expert ids where the transport's does."""
+
+    transport: Any
+
+    @property
+    def checks_expert_ids(self) -> bool:
+        return self.transport.checks_expert_ids
+
+
 def swiglu(h_R2I: Tensor) -> Tensor:
     """``silu(gate) * up`` with gate = first half of the columns, up = second half (no clamp)."""
     gate, up = h_R2I.chunk(2, dim=-1)

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 from torch import Tensor
 
-from megamoe.backends.base import StagedBackend
+from megamoe.backends.base import TransportBackend
 from megamoe.backends.triton.combine import combine
 from megamoe.backends.triton.configs import block_m
 from megamoe.backends.triton.routing import RoutingPlan
@@ -84,12 +84,11 @@ class QuantizedPlan:
     moved: Rows
 
 
-class QuantizedTritonBackend(StagedBackend):
+class QuantizedTritonBackend(TransportBackend):
     """Implements :class:`~megamoe.backends.base.ExpertBackend` with ``experts`` over ``transport``."""
 
     def __init__(self, transport: Transport, experts: RowExperts) -> None:
         self.transport = transport
-        self.checks_expert_ids = transport.checks_expert_ids
         self.experts = experts
         self.name = experts.name
         self.weight_cache = experts.weight_cache

@@ -21,13 +21,13 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from megamoe.backends.base import StagedBackend
+from megamoe.backends.base import TransportBackend
 from megamoe.backends.triton import ops
 from megamoe.backends.triton.configs import block_m
 from megamoe.backends.triton.rows import Rows, Transport
 
 
-class TritonBackend(StagedBackend):
+class TritonBackend(TransportBackend):
     """Implements :class:`~megamoe.backends.base.ExpertBackend` with the kernels of this package, over
     ``transport``."""
 
@@ -35,7 +35,6 @@ class TritonBackend(StagedBackend):
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
-        self.checks_expert_ids = transport.checks_expert_ids
 
     def make_plan(self, topk_idx_TK: Tensor, *, num_experts: int, group: dist.ProcessGroup | None) -> Rows:
         bm = block_m(topk_idx_TK.device)

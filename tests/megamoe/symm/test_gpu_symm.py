@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from benchmarks.accuracy import cosine, snr_db
+from benchmarks.common import capture
 from tests._dist import run_ranks
-from tests.megamoe.cuda_graphs import capture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 

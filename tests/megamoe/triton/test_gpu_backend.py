@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.common import MODELS, ModelShape, make_routing
+from benchmarks.common import MODELS, ModelShape, capture, make_routing
 from megamoe import fused_mega_moe
-from tests.megamoe.cuda_graphs import capture
 
 pytestmark = pytest.mark.gpu
 

@@ -19,12 +19,11 @@ import pytest
 import torch
 
 from benchmarks.accuracy import snr_db
-from benchmarks.common import MODELS
+from benchmarks.common import MODELS, capture
 from megamoe import fused_mega_moe
 from megamoe.backends.triton_fp8.quantize import quantize_rows
 from megamoe.backends.triton_fp8.weights import weight_cache
 from megamoe.quant.fp8 import quantize_fp8, quantize_fp8_blocks
-from tests.megamoe.cuda_graphs import capture
 from tests.megamoe.triton_mx.test_gpu_backend import GRADS, SMALL, _first_mismatch, _inputs, _run
 
 pytestmark = pytest.mark.gpu

@@ -20,12 +20,11 @@ import pytest
 import torch
 
 from benchmarks.accuracy import cosine, snr_db
-from benchmarks.common import MODELS, ModelShape, make_routing
+from benchmarks.common import MODELS, ModelShape, capture, make_routing
 from megamoe import fused_mega_moe
 from megamoe.backends.triton_mx.quantize_rows import quantize_rows
 from megamoe.backends.triton_mx.weights import weight_cache
 from megamoe.quant.mx import quantize_mx
-from tests.megamoe.cuda_graphs import capture
 
 pytestmark = pytest.mark.gpu
 
