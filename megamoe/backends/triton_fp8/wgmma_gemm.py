@@ -47,20 +47,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton_fp8.fp8_math import TILE
+from megamoe.backends.triton_mx.mx_math import swizzle
 from megamoe.quant.fp8 import FP8Tensor
 
 MIN_TRITON = (3, 6)  # the Gluon API this is written against
 CONSUMER_REGS = 232  # per thread of each consumer warpgroup (the producer warp's group gets 40)
 _TRITON_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= MIN_TRITON
-
-
-@gluon.jit
-def _swizzle(tile_id, num_m, num_n, GROUP_M: gl.constexpr):
-    """``(m tile, n tile)`` of ``tile_id``: GROUP_M row tiles share each column sweep (L2 reuse of B)."""
-    width = GROUP_M * num_n
-    first_m = (tile_id // width) * GROUP_M
-    size = gl.maximum(gl.minimum(num_m - first_m, GROUP_M), 1)
-    return first_m + (tile_id % width) % size, (tile_id % width) // size
 
 
 @gluon.jit
@@ -84,7 +76,9 @@ def _advance(coords, sched, tiles_ptr, K, num_programs, BLOCK_N: gl.constexpr, G
         kb = 0
         t += 1
         live = t < num_tiles
-        pid_m, pid_n = _swizzle(gl.program_id(0) + t * num_programs, num_m, num_n, GROUP_M)
+        pid_m, pid_n = swizzle(
+            gl.program_id(0) + t * num_programs, num_m, num_n, GROUP_M
+        )  # masked past the end
         expert = gl.load(tiles_ptr + 3 * pid_m, mask=live, other=0)
         r0 = gl.load(tiles_ptr + 3 * pid_m + 1, mask=live, other=0)
         r_end = gl.load(tiles_ptr + 3 * pid_m + 2, mask=live, other=0)
