@@ -18,9 +18,12 @@ passes, the along-R segment quantisers) and runs its E4M3 GEMMs, with weights fr
 
 This module moves rows around that math over a transport's :class:`~megamoe.backends.triton.rows.Rows`:
 one GPU, or ``all_to_all_single`` for EP over any process group (split sizes read on the host, so not
-capturable); the kernels then see the received rows as tokens with one slot each. Both move bf16
-rows and quantise them on the expert's rank, bit-identical to quantising at the source because
-rowwise tiles commute with moving rows. EP over symmetric memory for ``mxfp8`` is
+capturable); the kernels then see the received rows as tokens with one slot each. The expert math
+says what travels (:meth:`RowExperts.dispatch_rows`): ``fp8`` quantises ``x`` rowwise at the source
+and moves E4M3 bytes and their scales (about half of bf16's bytes); ``mxfp8`` moves bf16 rows and
+quantises them on the expert's rank. Both give the bits of quantising at the source, because rowwise
+tiles commute with moving rows. The backward moves bf16 ``x`` and ``dy`` rows: the weight gradients
+quantise them along R, in other tiles. EP over symmetric memory for ``mxfp8`` is
 :class:`~megamoe.backends.triton_mx.ep_symm.MXFP8SymmBackend`. The steps are plain Python around
 Triton launches: eager and CUDA graphs, not ``torch.compile(fullgraph=True)``.
 """
@@ -53,7 +56,11 @@ class RowExperts(Protocol):
 
     def check_widths(self, hidden: int, inter: int) -> None: ...
 
-    def gemm1(self, rows: Tensor, w1_G2IH: Tensor, plan: Any, a_rows: Tensor | None) -> Tensor: ...
+    def dispatch_rows(self, x_TH: Tensor, moved: Rows) -> Any:
+        """``x``'s rows moved to their experts by ``moved``, in the form :meth:`gemm1` reads: bf16 rows,
+        or rows quantised at the source where the format's tiles move with their rows."""
+
+    def gemm1(self, rows: Any, w1_G2IH: Tensor, plan: Any, a_rows: Tensor | None) -> Tensor: ...
 
     def gemm2(self, h_R2I: Tensor, w2_GHI: Tensor, plan: Any) -> Tensor: ...
 
@@ -105,7 +112,8 @@ class QuantizedTritonBackend(TransportBackend):
     ) -> tuple[Tensor | None, ...]:
         self.experts.check_widths(x_TH.shape[1], w1_G2IH.shape[1] // 2)
         r = plan.rows.routing
-        rows, weights_R = plan.moved.tokens_in(x_TH), plan.moved.weights_in(topk_weights_TK)
+        rows = self.experts.dispatch_rows(x_TH, plan.moved)
+        weights_R = plan.moved.weights_in(topk_weights_TK)
         return self.experts.gemm1(rows, w1_G2IH, plan.rows, r.row_token_R), weights_R, None
 
     def stage2_forward(

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from megamoe.backends.exchange import TokenExchange
 from megamoe.backends.triton.routing import RoutingPlan, build_received_plan, build_routing_plan
+from megamoe.quant.fp8 import FP8Tensor
 
 
 class Rows(Protocol):
@@ -34,6 +35,11 @@ class Rows(Protocol):
 
     def tokens_in(self, x_TH: Tensor) -> Tensor:
         """What the kernels read as tokens (``x`` or ``dy``)."""
+        ...
+
+    def quantized_tokens_in(self, q_TH: FP8Tensor) -> FP8Tensor:
+        """The same for tokens quantised rowwise at the source (1×128 tiles along H move with their
+        rows): E4M3 bytes and their scales travel, about half of bf16's bytes."""
         ...
 
     def weights_in(self, topk_weights_TK: Tensor) -> Tensor:
@@ -56,6 +62,9 @@ class LocalRows:
     def tokens_in(self, x_TH: Tensor) -> Tensor:
         return x_TH.contiguous()
 
+    def quantized_tokens_in(self, q_TH: FP8Tensor) -> FP8Tensor:
+        return q_TH
+
     def weights_in(self, topk_weights_TK: Tensor) -> Tensor:
         return self.routing.row_values_R(topk_weights_TK)
 
@@ -73,6 +82,10 @@ class ExchangedRows:
 
     def tokens_in(self, x_TH: Tensor) -> Tensor:
         return self.exchange.dispatch_tokens(x_TH.contiguous())
+
+    def quantized_tokens_in(self, q_TH: FP8Tensor) -> FP8Tensor:
+        data = self.exchange.dispatch_tokens(q_TH.data.view(torch.uint8))  # bytes: any backend moves them
+        return FP8Tensor(data.view(q_TH.data.dtype), self.exchange.dispatch_tokens(q_TH.scale), q_TH.tile)
 
     def weights_in(self, topk_weights_TK: Tensor) -> Tensor:
         return self.exchange.dispatch_slot_values(topk_weights_TK)

@@ -6,7 +6,7 @@ I intermediate, G local experts, NB = ceil(R / 128) + G block slots of 128 rows 
 The same steps as :class:`~megamoe.backends.triton_mx.experts.MXExperts`, in DeepSeek-V3's blockwise
 format (the emulation's table, :mod:`megamoe.backends.quantized_reference`):
 
-    fc1 fwd    h = t(x)[row_token] b(W1)^T          rowwise quantiser at the source, GEMM gathers rows
+    fc1 fwd    h = t(x)[row_token] b(W1)^T          rowwise quantiser at the source (EP: t(x) travels), GEMM gathers rows
     fc2 fwd    o = t(a) b(W2)^T                     SwiGLU pass emits t(a)
     fc2 dgrad  da = t(dy)[row_token] b(W2^T)^T      fp32 out; SwiGLU backward emits dh, d_w, t(w a)
     fc2 wgrad  dW2 = t(dy)^T t(w a) along R         segment quantiser (dy gathered) + K-grouped GEMM
@@ -28,6 +28,7 @@ from torch import Tensor
 from megamoe.backends.triton.configs import num_programs
 from megamoe.backends.triton.padding import zero_padding_rows
 from megamoe.backends.triton.routing import RoutingPlan
+from megamoe.backends.triton.rows import Rows
 from megamoe.backends.triton_fp8.configs import GPU_WGMMA, gemm_config, wgrad_config
 from megamoe.backends.triton_fp8.fp8_math import TILE
 from megamoe.backends.triton_fp8.grouped_gemm import fp8_grouped_gemm
@@ -140,12 +141,17 @@ class FP8Experts:
         """Rowwise tiles of the rows a GEMM reads (in row order: the valid ones only)."""
         return quantize_rows(rows, valid_rows_1=None if a_rows is not None else plan.valid_rows_1)
 
-    def gemm1(self, rows: Tensor, w1_G2IH: Tensor, plan: RowPlan, a_rows: Tensor | None) -> Tensor:
-        """``h [R, 2I] = t(x) b(W1)^T``, padding rows zero."""
+    @staticmethod
+    def dispatch_rows(x_TH: Tensor, moved: Rows) -> FP8Tensor:
+        """``t(x)``, quantised rowwise at the source, moved as E4M3 bytes and scales."""
+        return moved.quantized_tokens_in(quantize_rows(x_TH.contiguous()))
+
+    def gemm1(self, rows: FP8Tensor, w1_G2IH: Tensor, plan: RowPlan, a_rows: Tensor | None) -> Tensor:
+        """``h [R, 2I] = t(x) b(W1)^T`` from :meth:`dispatch_rows`'s rows, padding rows zero."""
         r = plan.routing
-        h = rows.new_empty(r.num_rows, w1_G2IH.shape[1])
+        h = w1_G2IH.new_empty(r.num_rows, w1_G2IH.shape[1])  # x's dtype (the ops check they agree)
         if h.numel():
-            self._gemm(self._rowwise(rows, plan, a_rows), self._w(w1_G2IH, transposed=False), h, plan, a_rows)
+            self._gemm(rows, self._w(w1_G2IH, transposed=False), h, plan, a_rows)
             zero_padding_rows(r.expert_start_G1, h)
         return h
 

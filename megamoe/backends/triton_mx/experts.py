@@ -19,6 +19,7 @@ from torch import Tensor
 from megamoe.backends.triton.configs import num_programs
 from megamoe.backends.triton.padding import zero_padding_rows
 from megamoe.backends.triton.routing import RoutingPlan
+from megamoe.backends.triton.rows import Rows
 from megamoe.backends.triton_mx.configs import gemm_config, wgrad_block_align, wgrad_config
 from megamoe.backends.triton_mx.grouped_gemm import RemoteRows, mx_grouped_gemm
 from megamoe.backends.triton_mx.quantize_rows import quantize_rows
@@ -127,6 +128,11 @@ class MXExperts:
     def _quantize(rows: Tensor, plan: RowPlan, a_rows: Tensor | None) -> MXTensor:
         """Rowwise MX of the rows a GEMM reads (in row order: the valid ones only)."""
         return quantize_rows(rows, valid_rows_1=None if a_rows is not None else plan.valid_rows_1)
+
+    @staticmethod
+    def dispatch_rows(x_TH: Tensor, moved: Rows) -> Tensor:
+        """bf16 rows travel; :meth:`gemm1` quantises them where they land."""
+        return moved.tokens_in(x_TH)
 
     def gemm1(self, rows: Tensor, w1_G2IH: Tensor, plan: RowPlan, a_rows: Tensor | None) -> Tensor:
         """``h [R, 2I] = q(x) q(W1)^T``, padding rows zero."""

@@ -140,3 +140,41 @@ def test_triton_fp8_ep2_over_gloo_matches_emulation_at_ep2(tmp_path) -> None:
     case = tuple([c[i] if i not in (3, 4) else (w1, w2)[i - 3] for c in per_rank] for i in range(6))
     for rank, got in enumerate(run_ranks(_ep_rank, 2, tmp_path, case)):
         _assert_matches(got["triton"], got["reference"], where=f"rank {rank} ")
+
+
+def _ep_wire_rank(rank: int, world: int, case: tuple) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """The dtype and row shape of every all-to-all payload of one FP8 forward at EP = 2."""
+    import torch.distributed as dist
+
+    from megamoe.backends.exchange import TokenExchange
+    from tests.megamoe.triton.interpreter_compat import install
+
+    install()
+    x, idx, tw, w1, w2, _ = (t[rank] for t in case)
+    G = w1.shape[0] // world
+    sent = []
+    dispatch = TokenExchange.dispatch
+
+    def recording(self, rows):
+        sent.append((rows.dtype, tuple(rows.shape[1:])))
+        return dispatch(self, rows)
+
+    TokenExchange.dispatch = recording
+    fused_mega_moe(x, idx, tw, w1[rank * G : (rank + 1) * G], w2[rank * G : (rank + 1) * G],
+                   group=dist.group.WORLD, backend="triton", precision="fp8")  # fmt: skip
+    return sent
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors need TRITON_INTERPRET=1")
+def test_triton_fp8_ep2_moves_e4m3_rows_and_their_scales(tmp_path) -> None:
+    """At EP > 1 the forward's tokens travel quantised (1 byte an element plus one fp32 scale per 128),
+    not in the activations' dtype."""
+    from tests._dist import run_ranks
+
+    T, H = 9, 272  # three 128-wide tiles along H, the last one short
+    per_rank = [_case(T, H, 32, 4, 2, drop=0.0, seed=s, device="cpu") for s in (1, 2)]
+    case = tuple([c[i] for c in per_rank] for i in range(6))
+    for sent in run_ranks(_ep_wire_rank, 2, tmp_path, case):
+        assert (torch.uint8, (H,)) in sent, sent
+        assert (torch.float32, (3,)) in sent, sent
+        assert not any(shape == (H,) and dtype != torch.uint8 for dtype, shape in sent), sent
