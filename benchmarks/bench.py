@@ -349,11 +349,14 @@ def _unavailable(baselines: list[str]) -> dict[str, str]:
     return {}
 
 
-def _write_json(path: str, results: list[Result], accuracy: list, skipped: dict[str, str]) -> None:
+def _write_json(
+    path: str, results: list[Result], accuracy: list, skipped: dict[str, str], cached_weights: bool
+) -> None:
     props = torch.cuda.get_device_properties(0)
     record = {
         "device": f"{props.name}, {props.multi_processor_count} SMs",
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
+        "quantised_weights": "cached" if cached_weights else "re-quantised on every call",
         "skipped": skipped,
         "results": [asdict(r) for r in results],
         "accuracy": [asdict(a) for a in accuracy],
@@ -387,7 +390,14 @@ def _write_json(path: str, results: list[Result], accuracy: list, skipped: dict[
     "bf16 Triton path in the same run (speed-up = bf16 ms / ours ms; fp8 also times mxfp8 beside them; "
     "mxfp8 with --num-processes > 1 over symmetric memory, and the NCCL pipeline), and report the SNR "
     "against float32 and against the precision's exact emulation. The weights are re-quantised on every "
-    "call (no optimizer step advances the cache), as on a step's first micro-batch",
+    "call (no optimizer step advances the cache), as on a step's first micro-batch, unless --cached-weights",
+)
+@click.option(
+    "--cached-weights",
+    is_flag=True,
+    help="with --precision mxfp8 or fp8: serve the quantised weights from the weight cache, as on an "
+    "optimizer step's later micro-batches (the generation is advanced once, so each form is quantised "
+    "on its first call only)",
 )
 @click.option(
     "--num-processes",
@@ -407,11 +417,17 @@ def main(
     baselines: str,
     fwd_only: bool,
     precision: str,
+    cached_weights: bool,
     num_processes: int,
     json_path: str | None,
     dry_run: bool,
 ) -> None:
     names = _split(models)
+    if cached_weights and precision not in QUANTIZED:
+        raise click.BadParameter(
+            f"the weight cache holds quantised weights: use --precision {' or '.join(QUANTIZED)}",
+            param_hint="--cached-weights",
+        )
     if precision in QUANTIZED and mode != "layer":
         raise click.BadParameter(f"{precision} is benchmarked in --mode layer only", param_hint="--precision")
     if precision == "fp8" and num_processes > 1:
@@ -436,7 +452,7 @@ def main(
         for n in names:
             click.echo(
                 f"{mode} {n} {asdict(MODELS[n])} routing={routing_list} fwd_only={fwd_only} precision={precision} "
-                f"num_processes={num_processes} baselines={baseline_list}"
+                f"cached_weights={cached_weights} num_processes={num_processes} baselines={baseline_list}"
             )
         return
     if not torch.cuda.is_available():
@@ -447,6 +463,10 @@ def main(
         bench_ep.run(num_processes, mode, names, routing_list, json_path, precision)
         return
     shapes = {n: MODELS[n] for n in names}
+    if cached_weights:
+        from megamoe import advance_weight_generation
+
+        advance_weight_generation()  # from now on an unchanged weight's forms are served, not re-quantised
     results, accuracy = run(mode, shapes, routing_list, fwd_only, precision, tuple(baseline_list))
     props = torch.cuda.get_device_properties(0)
     click.echo(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
@@ -462,7 +482,7 @@ def main(
         click.echo(f"\n{layer_accuracy.CAPTION}")
         click.echo(layer_accuracy.format_table(accuracy, LABELS))
     if json_path:
-        _write_json(json_path, results, accuracy, skipped)
+        _write_json(json_path, results, accuracy, skipped, cached_weights)
 
 
 if __name__ == "__main__":

@@ -67,3 +67,13 @@ def test_bench_cases_run_forward_backward_and_ours_runs_no_swiglu_pass(mode, mon
             torch.autograd.backward(out, torch.randn_like(out), inputs=leaves)
         assert all(leaf.grad is not None for leaf in leaves), impl
     assert passes == []
+
+
+def test_bench_cached_weights_is_for_quantised_precisions():
+    runner = CliRunner()
+    result = runner.invoke(
+        main, ["--models", "DeepSeek-V3", "--precision", "fp8", "--cached-weights", "--dry-run"]
+    )
+    assert result.exit_code == 0 and "cached_weights=True" in result.output, result.output
+    result = runner.invoke(main, ["--cached-weights", "--dry-run"])
+    assert result.exit_code == 2 and "use --precision mxfp8 or fp8" in result.output, result.output
