@@ -68,7 +68,8 @@ def _schedule(num_tiles_ptr, N, K, num_programs, BLOCK_N: gl.constexpr):
 def _advance(coords, sched, tiles_ptr, K, num_programs, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
     """The coordinates ``(k tile, t, expert, first row, row end, first column)`` of the step after
     ``coords`` (step ``kb`` of this program's ``t``-th tile): the next K tile, or the next tile's first
-    (its table entry read only then, so a step costs no division). Zeros past the last tile."""
+    (its table entry read only then, so a step costs no division). Past the last tile the table reads
+    are masked: expert and rows are zeros."""
     kb, t, expert, r0, r_end, n0 = coords
     kb += 1
     if kb == gl.cdiv(K, 128):
@@ -76,9 +77,7 @@ def _advance(coords, sched, tiles_ptr, K, num_programs, BLOCK_N: gl.constexpr, G
         kb = 0
         t += 1
         live = t < num_tiles
-        pid_m, pid_n = swizzle(
-            gl.program_id(0) + t * num_programs, num_m, num_n, GROUP_M
-        )  # masked past the end
+        pid_m, pid_n = swizzle(gl.program_id(0) + t * num_programs, num_m, num_n, GROUP_M)
         expert = gl.load(tiles_ptr + 3 * pid_m, mask=live, other=0)
         r0 = gl.load(tiles_ptr + 3 * pid_m + 1, mask=live, other=0)
         r_end = gl.load(tiles_ptr + 3 * pid_m + 2, mask=live, other=0)
