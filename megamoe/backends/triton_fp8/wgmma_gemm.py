@@ -299,31 +299,18 @@ def supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-def _check_tile(config: TileConfig) -> None:
-    if (config.block_m, config.block_k, config.num_warps) != (TILE, TILE, 4) or TILE % config.block_n:
-        raise ValueError(
-            f"{config}: the tile must be 128 rows (two 64-row consumer warpgroups) by 128 deep, "
-            "BLOCK_N divide 128, num_warps 4 (one warpgroup a partition)"
-        )
-
-
-def _descriptors(a_data: Tensor, b_data: Tensor, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors of ``[rows, K]`` E4M3 operands read in ``[128, 128]`` and ``[block_n, 128]`` boxes."""
-    a_layout = gl.NVMMASharedLayout.get_default_for([TILE, TILE], gl.float8e4nv)
-    b_layout = gl.NVMMASharedLayout.get_default_for([block_n, TILE], gl.float8e4nv)
-    return (
-        TensorDescriptor.from_tensor(a_data, [TILE, TILE], a_layout),
-        TensorDescriptor.from_tensor(b_data, [block_n, TILE], b_layout),
-    )
-
-
 def wgmma_fp8_grouped_gemm(
     a: FP8Tensor, b: FP8Tensor, out: Tensor, plan: RoutingPlan, *, config: TileConfig, num_sms: int
 ) -> None:
     """Write ``out [R, N]`` (rows of the plan's tiles only; bf16 or fp32) from expert-sorted FP8
     ``a [R, K]`` in 1×128 tiles and ``b [G, N, K]`` in 128×128 blocks (data contiguous, K a multiple of
     16), on a GPU where :func:`supported`."""
-    _check_tile(config)
+    bn = config.block_n
+    if (config.block_m, config.block_k, config.num_warps) != (TILE, TILE, 4) or TILE % bn:
+        raise ValueError(
+            f"{config}: the tile must be 128 rows (two 64-row consumer warpgroups) by 128 deep, "
+            "BLOCK_N divide 128, num_warps 4 (one warpgroup a partition)"
+        )
     if config.block_m != plan.block_m:
         raise ValueError(f"BLOCK_M={config.block_m} must equal the plan's block_m={plan.block_m}")
     G, N, K = b.data.shape
@@ -332,11 +319,14 @@ def wgmma_fp8_grouped_gemm(
             f"a {tuple(a.data.shape)} in tiles {a.tile}, b {tuple(b.data.shape)} in tiles {b.tile}: "
             "expected [*, K] in 1x128 tiles and [G, N, K] in 128x128 blocks, K a multiple of 16"
         )
-    a_desc, b_desc = _descriptors(a.data, b.data.view(G * N, K), config.block_n)
-    grid = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * triton.cdiv(N, config.block_n)))
+    a_layout = gl.NVMMASharedLayout.get_default_for([TILE, TILE], gl.float8e4nv)
+    b_layout = gl.NVMMASharedLayout.get_default_for([bn, TILE], gl.float8e4nv)
+    a_desc = TensorDescriptor.from_tensor(a.data, [TILE, TILE], a_layout)
+    b_desc = TensorDescriptor.from_tensor(b.data.view(G * N, K), [bn, TILE], b_layout)  # expert g at row g N
+    grid = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * triton.cdiv(N, bn)))
     _wgmma_fp8_gemm_kernel[(grid,)](
         a_desc, b_desc, a.scale, b.scale, out, plan.tiles_X3, plan.num_tiles_1, N, K, a.scale.stride(0),
         a.scale.stride(1), b.scale.stride(0), b.scale.stride(1), b.scale.stride(2), out.stride(0), grid,
-        BLOCK_N=config.block_n, GROUP_M=config.group_m, STAGES=config.num_stages, CONSUMER_REGS=CONSUMER_REGS,
+        BLOCK_N=bn, GROUP_M=config.group_m, STAGES=config.num_stages, CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4,
     )  # fmt: skip
