@@ -122,26 +122,35 @@ def _inputs(shape: ModelShape, routing: str, device: torch.device) -> tuple[Tens
 
 
 def _cases(
-    mode: str, inputs: tuple[Tensor, ...], precision: str = "bf16", baselines: tuple[str, ...] = ("torch",)
+    mode: str,
+    inputs: tuple[Tensor, ...],
+    precision: str = "bf16",
+    baselines: tuple[str, ...] = ("torch",),
+    cached_weights: bool = False,
 ):
     """Yield ``(impl, forward_fn, leaves)`` for ours and each baseline, on one set of :func:`_inputs`.
 
     With a quantised ``precision`` ours is that precision's Triton backend and the baseline our own
     bf16 Triton path (the FP8 targets are relative to it), so the speed-up column is bf16 ms / ours
-    ms; ``fp8`` also times the MXFP8 backend beside them. In layer mode, every peer of ``baselines``
+    ms; ``fp8`` also times the MXFP8 backend beside them. Each quantised call starts with an optimizer
+    step's generation advance (each weight form quantised once per call and kept for its backward, as
+    in training without gradient accumulation), unless ``cached_weights`` (the caller advanced once:
+    every form served, as on a step's later micro-batches). In layer mode, every peer of ``baselines``
     follows ours, on the same leaves.
     """
-    from megamoe import dispatch_grouped_gemm, fused_mega_moe, grouped_gemm_combine
+    from megamoe import advance_weight_generation, dispatch_grouped_gemm, fused_mega_moe, grouped_gemm_combine
 
     x, idx, tw, w1, w2 = inputs
     T = x.shape[0]
     if precision in QUANTIZED:
+
+        def quantised(p: str) -> Tensor:
+            if not cached_weights:
+                advance_weight_generation()
+            return fused_mega_moe(x, idx, tw, w1, w2, backend="triton", precision=p)
+
         for impl, p in (("megamoe", precision), *((("mxfp8", "mxfp8"),) if precision == "fp8" else ())):
-            yield (
-                impl,
-                lambda p=p: fused_mega_moe(x, idx, tw, w1, w2, backend="triton", precision=p),
-                [x, tw, w1, w2],
-            )
+            yield impl, lambda p=p: quantised(p), [x, tw, w1, w2]
         yield "baseline", lambda: fused_mega_moe(x, idx, tw, w1, w2, backend="triton"), [x, tw, w1, w2]
     elif mode == "layer":
         yield "megamoe", lambda: fused_mega_moe(x, idx, tw, w1, w2, backend="triton"), [x, tw, w1, w2]
@@ -270,6 +279,7 @@ def run(
     fwd_only: bool,
     precision: str = "bf16",
     baselines: tuple[str, ...] = ("torch",),
+    cached_weights: bool = False,
 ) -> tuple[list[Result], list[layer_accuracy.Accuracy]]:
     """Timings of every (shape, routing) and, in layer mode, every implementation's accuracy."""
     device = torch.device("cuda")
@@ -279,7 +289,7 @@ def run(
         rows = shape.tokens * shape.topk
         for routing in routings:
             inputs = _inputs(shape, routing, device)
-            cases = list(_cases(mode, inputs, precision, baselines))
+            cases = list(_cases(mode, inputs, precision, baselines, cached_weights))
             results += _time_cases(mode, name, shape, routing, cases, fwd_only)
             if mode == "layer":
                 emulated = {"megamoe": precision, "mxfp8": "mxfp8"} if precision in QUANTIZED else {}
@@ -356,7 +366,7 @@ def _write_json(
     record = {
         "device": f"{props.name}, {props.multi_processor_count} SMs",
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
-        "quantised_weights": "cached" if cached_weights else "re-quantised on every call",
+        "quantised_weights": "cached" if cached_weights else "quantised once per call",
         "skipped": skipped,
         "results": [asdict(r) for r in results],
         "accuracy": [asdict(a) for a in accuracy],
@@ -389,8 +399,9 @@ def _write_json(
     help="expert GEMM precision; mxfp8 and fp8 (layer mode) time that Triton backend against our own "
     "bf16 Triton path in the same run (speed-up = bf16 ms / ours ms; fp8 also times mxfp8 beside them; "
     "mxfp8 with --num-processes > 1 over symmetric memory, and the NCCL pipeline), and report the SNR "
-    "against float32 and against the precision's exact emulation. The weights are re-quantised on every "
-    "call (no optimizer step advances the cache), as on a step's first micro-batch, unless --cached-weights",
+    "against float32 and against the precision's exact emulation. Each call starts an optimizer step: its "
+    "forward quantises the weights and its backward reuses them, as in training without gradient "
+    "accumulation, unless --cached-weights",
 )
 @click.option(
     "--cached-weights",
@@ -467,7 +478,9 @@ def main(
         from megamoe import advance_weight_generation
 
         advance_weight_generation()  # from now on an unchanged weight's forms are served, not re-quantised
-    results, accuracy = run(mode, shapes, routing_list, fwd_only, precision, tuple(baseline_list))
+    results, accuracy = run(
+        mode, shapes, routing_list, fwd_only, precision, tuple(baseline_list), cached_weights
+    )
     props = torch.cuda.get_device_properties(0)
     click.echo(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
     click.echo(format_table([r for r in results if r.mode != "gemm1"]))

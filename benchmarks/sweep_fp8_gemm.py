@@ -13,8 +13,8 @@ each as the bf16 Triton kernel with its own config, then the Triton FP8 kernel f
 :data:`GEMM_CANDIDATES` / :data:`WGRAD_CANDIDATES` (the first is its default,
 :mod:`megamoe.backends.triton_fp8.configs`), then, on Hopper, the warp-specialised Gluon GEMM the
 backend runs there (``fp8-wgmma``; for gemm1 the quantised rows gathered first, that gather timed with
-it); then the quantisers. Operands are quantised once,
-outside the timing. ``max rel`` compares each output with the default config's (0 up to fp32
+it); then the quantisers and the quantised rows' gather (alone with ``--passes-only``). Operands are
+quantised once, outside the timing. ``max rel`` compares each output with the default config's (0 up to fp32
 summation order). A candidate that fails to compile or run is reported and the others go on.
 Prints a markdown table (``bf16/FP8`` = bf16 ms / FP8 ms, above 1: FP8 faster) and writes JSON.
 """
@@ -42,6 +42,7 @@ from megamoe.backends.triton_fp8.quantize import (
     quantize_rows,
     quantize_segments,
     quantize_weight,
+    quantize_weight_both,
     segment_block_starts,
 )
 from megamoe.backends.triton_fp8.swiglu import swiglu_quant
@@ -76,6 +77,7 @@ WGRAD_CANDIDATES: list[dict[str, int]] = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="fp8_sweep.json", help="JSON file for the rows")
+    parser.add_argument("--passes-only", action="store_true", help="time the quantisers and gathers only")
     args = parser.parse_args()
     device = torch.device("cuda")
     num_sms = num_programs(device)
@@ -102,6 +104,8 @@ def main() -> None:
     rows: list[dict] = []
 
     def sweep(op, flops, bf16_fn, fp8_fn, out_shape, default, candidates, wgmma_fn=None):
+        if args.passes_only:
+            return
         bf16_out = torch.empty(out_shape, device=device, dtype=torch.bfloat16)
         rows.append(_row(op, "bf16", {}, flops, lambda: bf16_fn(bf16_out)))
         bf16_ms = rows[-1].get("ms")
@@ -183,6 +187,14 @@ def main() -> None:
         ("quantize_rows(x)", 3 * T * H, lambda: quantize_rows(x)),
         ("quantize W1", 3 * w1.numel(), lambda: quantize_weight(w1, qw1)),
         ("quantize W1 transposed", 3 * w1.numel(), lambda: quantize_weight(w1.transpose(1, 2), qw1_t)),
+        ("quantize W1, both forms", 4 * w1.numel(), lambda: quantize_weight_both(w1, qw1, qw1_t)),
+        ("gather_rows(q(x))", 2 * R * H, lambda: gather_rows(qx, plan.row_token_R)),
+        ("quantize_rows(dh)", 3 * R * 2 * I, lambda: quantize_rows(dh, valid_rows_1=valid)),
+        (
+            "quantize_segments(dh)",
+            3 * R * 2 * I,
+            lambda: quantize_segments(dh, plan.expert_start_G1, block_start, num_blocks),
+        ),
         ("swiglu_quant(h)", 5 * R * I, lambda: swiglu_quant(h, valid)),
         (
             "quantize_segments(x, gathered)",

@@ -2,10 +2,12 @@
 
 The MXFP8 path multiplies every weight in two MX forms: *rowwise* (``w [G, Y, X]`` in blocks along X,
 the forward operand) and *transposed* (``w^T [G, X, Y]`` stored contiguous, blocks along Y, the
-dgrad operand). The FP8 path keeps one form, ``w`` in 128×128 blocks, whose transpose is exactly the
-blocks of ``w^T`` (:mod:`megamoe.quant.recipes`). Quantising costs a pass over the weights, so each
-form is kept per weight and served again while the weight is unchanged: across gradient-accumulation
-micro-batches, activation recompute, warm-up and eval.
+dgrad operand). FP8's emulation keeps one form, ``w`` in 128×128 blocks, whose transpose is exactly
+the blocks of ``w^T`` (:mod:`megamoe.quant.recipes`); its kernels keep ``w^T``'s as well (Hopper's FP8
+MMA reads both operands K-major) and write the two in one pass. Quantising costs a pass over the
+weights, so each form is kept per weight and served again while the weight is unchanged: from the
+forward to the backward, across gradient-accumulation micro-batches, activation recompute, warm-up
+and eval.
 
 "Unchanged" is the stamp ``(weight_generation, w._version, w.data_ptr())``. ``w._version`` alone is
 not enough: optimizers that write parameters through ``.data`` or through a flat buffer that aliases
@@ -89,7 +91,9 @@ class WeightCache:
     ``quantize(source, out)`` fills an entry (``source`` is ``w`` or the view ``w.transpose(1, 2)``)
     and ``empty(shape, device)`` allocates one. The defaults are the MX ones in PyTorch (blocks along
     the last dim, :func:`~megamoe.quant.mx.quantize_mx`); a kernel backend passes its own quantiser and
-    scale layout (same values), and the FP8 recipe its 128×128 block quantiser.
+    scale layout (same values), and the FP8 recipe its 128×128 block quantiser. ``quantize_both(w,
+    out, out_t)``, where a format has one, fills both forms in one pass over ``w``: a form that can be
+    kept (the stamp is set) is then quantised with its twin, which the backward reads next.
     """
 
     def __init__(
@@ -97,9 +101,11 @@ class WeightCache:
         *,
         quantize: Callable[[Tensor, QuantizedWeight], object] = _quantize_torch,
         empty: Callable[[tuple[int, ...], torch.device], QuantizedWeight] = _empty_torch,
+        quantize_both: Callable[[Tensor, QuantizedWeight, QuantizedWeight], object] | None = None,
     ) -> None:
         self._quantize = quantize
         self._empty = empty
+        self._quantize_both = quantize_both
         self._entries: dict[tuple[int, bool], _Entry] = {}
         self.hits = 0
         """forms served without quantising (for tests and logs)."""
@@ -110,35 +116,45 @@ class WeightCache:
         """``w``'s quantised form, or (``transposed``) that of ``w^T [G, X, Y]``, stored contiguous."""
         if w.dim() != 3:
             raise ValueError(f"w: expected an expert weight [G, Y, X], got shape {tuple(w.shape)}")
-        key = (id(w), transposed)
-        source = w.transpose(1, 2) if transposed else w
-        entry = self._entries.get(key)
-        if (
-            entry is None
-            or entry.ref() is not w
-            or entry.form.shape != source.shape
-            or entry.form.data.device != w.device
-        ):
-            entry = self._new_entry(key, w, source)
+        entry = self._entry(w, transposed)
         stamp = _stamp(w)
         if stamp is not None and stamp == entry.stamp:
             self.hits += 1
             return entry.form
-        self._quantize(source, entry.form)
+        if stamp is not None and self._quantize_both is not None:
+            twin = self._entry(w, not transposed)
+            forward, backward = (twin, entry) if transposed else (entry, twin)
+            self._quantize_both(w, forward.form, backward.form)
+            forward.stamp = backward.stamp = stamp
+            self.misses += 2
+            return entry.form
+        self._quantize(w.transpose(1, 2) if transposed else w, entry.form)
         entry.stamp = stamp
         self.misses += 1
         return entry.form
 
-    def _new_entry(self, key: tuple[int, bool], w: Tensor, source: Tensor) -> _Entry:
+    def _entry(self, w: Tensor, transposed: bool) -> _Entry:
+        """The entry of ``w``'s form, (re)allocated when missing or not ``w``'s (stamp None then)."""
+        key = (id(w), transposed)
+        shape = (w.shape[0], w.shape[2], w.shape[1]) if transposed else tuple(w.shape)
+        entry = self._entries.get(key)
+        if (
+            entry is None
+            or entry.ref() is not w
+            or entry.form.shape != shape
+            or entry.form.data.device != w.device
+        ):
+            entry = self._new_entry(key, w, shape)
+        return entry
+
+    def _new_entry(self, key: tuple[int, bool], w: Tensor, shape: tuple[int, ...]) -> _Entry:
         entries = self._entries
 
         def forget(ref: weakref.ref) -> None:
             if key in entries and entries[key].ref is ref:
                 del entries[key]
 
-        entry = _Entry(
-            ref=weakref.ref(w, forget), form=self._empty(tuple(source.shape), w.device), stamp=None
-        )
+        entry = _Entry(ref=weakref.ref(w, forget), form=self._empty(shape, w.device), stamp=None)
         entries[key] = entry
         return entry
 

@@ -9,6 +9,7 @@ import torch
 
 from megamoe.quant import WeightCache, advance_weight_generation, fake_quantize_mx, weight_generation
 from megamoe.quant import cache as cache_module
+from megamoe.quant.mx import quantize_mx
 
 
 @pytest.fixture
@@ -142,3 +143,44 @@ def test_weight_cache_rejects_non_expert_shapes():
 def test_advance_weight_generation_counts_up():
     start = weight_generation()
     assert advance_weight_generation() == start + 1 == weight_generation()
+
+
+class _Pairs:
+    """A ``quantize_both`` that records its calls (the MX forms, one after the other)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, w, out, out_t) -> None:
+        self.calls += 1
+        quantize_mx(w, dim=-1, out=out)
+        quantize_mx(w.transpose(1, 2), dim=-1, out=out_t)
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["forward-first", "transposed-first"])
+def test_weight_cache_quantises_both_forms_together_when_it_can_keep_them(weight, armed, first):
+    pairs = _Pairs()
+    cache = WeightCache(quantize_both=pairs)
+    a = cache.get(weight, transposed=first)
+    b = cache.get(weight, transposed=not first)
+    assert (pairs.calls, cache.misses, cache.hits) == (1, 2, 1)
+    for form, transposed in ((a, first), (b, not first)):
+        source = weight.transpose(1, 2) if transposed else weight
+        torch.testing.assert_close(form.dequantize(), fake_quantize_mx(source), rtol=0, atol=0)
+    weight.data.mul_(-2)
+    advance_weight_generation()
+    cache.get(weight, transposed=True)
+    torch.testing.assert_close(
+        cache.get(weight, transposed=False).dequantize(), fake_quantize_mx(weight), rtol=0, atol=0
+    )
+    assert (pairs.calls, cache.misses, cache.hits) == (2, 4, 2)
+
+
+def test_weight_cache_quantises_one_form_when_it_cannot_keep_it(weight, monkeypatch):
+    """Before the first generation advance (and during capture) nothing is kept: a twin would be waste."""
+    monkeypatch.setattr(cache_module, "_generation", 0)
+    pairs = _Pairs()
+    cache = WeightCache(quantize_both=pairs)
+    cache.get(weight, transposed=False)
+    cache.get(weight, transposed=True)
+    assert (pairs.calls, cache.misses, cache.hits) == (0, 2, 0)

@@ -67,26 +67,35 @@ def test_triton_fp8_matches_emulation(
 
 def test_triton_fp8_weight_cache_follows_an_optimizer_step() -> None:
     """After an in-place update and ``advance_weight_generation`` (what the trainer does per step), the
-    kernels read the new weights: the result equals the emulation on them, not the cached old ones."""
+    kernels read the new weights forward and backward: every output equals the emulation on them, not
+    on the cached old ones. Each step's forward quantises both forms of a weight in one pass (2 misses),
+    and its backward is served the transposed form (a hit)."""
     x, idx, tw, w1, w2, dy = _case(12, 32, 32, 2, 2, drop=0.0, seed=4)
     w1, w2 = w1.requires_grad_(), w2.requires_grad_()  # one parameter tensor each, as in training
-    backend = get_backend("triton", device=x.device, dtype=x.dtype, precision="fp8")
+    cache = get_backend("triton", device=x.device, dtype=x.dtype, precision="fp8").weight_cache
 
-    def step() -> torch.Tensor:
-        return fused_mega_moe(x, idx, tw, w1, w2, backend="triton", precision="fp8").detach()
+    def step() -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+        before = cache.misses, cache.hits
+        leaves = x.clone().requires_grad_(), tw.clone().requires_grad_()
+        y = fused_mega_moe(leaves[0], idx, leaves[1], w1, w2, backend="triton", precision="fp8")
+        grads = torch.autograd.grad(y, (*leaves, w1, w2), dy)
+        outputs = dict(zip(GRADS, (y.detach(), *grads), strict=True))
+        return outputs, (cache.misses - before[0], cache.hits - before[1])
 
     advance_weight_generation()
-    first = step()
-    misses = backend.weight_cache.misses
-    assert torch.equal(step(), first)
-    assert backend.weight_cache.misses == misses  # served from the cache within the step
+    first, counts = step()
+    assert counts == (4, 2)  # W1, W2: both forms in the forward; W1^T, W2^T served in the backward
+    again, counts = step()
+    assert counts == (0, 4)
+    for name in GRADS:
+        assert torch.equal(again[name], first[name]), name
     with torch.no_grad():
         w1.mul_(-0.5)
         w2.add_(0.25)
     advance_weight_generation()
-    ours, ref = step(), _run("reference", x, idx, tw, w1.detach(), w2.detach(), dy)["y"]
-    assert backend.weight_cache.misses > misses
-    assert snr_db(ours, ref) >= FLOOR_DB, f"{snr_db(ours, ref):.1f} dB"
+    ours, counts = step()
+    assert counts == (4, 2)
+    _assert_matches(ours, _run("reference", x, idx, tw, w1.detach(), w2.detach(), dy))
 
 
 def test_triton_fp8_width_not_a_multiple_of_16_names_the_setting() -> None:

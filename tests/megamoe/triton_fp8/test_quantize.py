@@ -16,6 +16,7 @@ from megamoe.backends.triton_fp8.quantize import (
     quantize_rows,
     quantize_segments,
     quantize_weight,
+    quantize_weight_both,
     segment_block_starts,
 )
 from megamoe.quant.fp8 import quantize_fp8, quantize_fp8_blocks
@@ -80,3 +81,25 @@ def test_weight_blocks_match_quantize_fp8_blocks_bitwise(transposed: bool) -> No
     want = quantize_fp8_blocks(source)
     torch.testing.assert_close(out.scale, want.scale, rtol=0, atol=0)
     assert torch.equal(_bytes(out.data), _bytes(want.data))
+
+
+def test_weight_both_forms_in_one_pass_match_quantize_fp8_blocks_bitwise() -> None:
+    w = torch.cat([spread(144, 272, seed=s) for s in range(2)]).view(2, 144, 272).to(DEVICE)
+    w[1, :128, 128:256] = 0.0  # a zero block: scale 1
+    w[0, 130, 5] = float("nan")  # poisons its block in both forms
+    out, out_t = (
+        empty_weight((2, 144, 272), torch.device(DEVICE)),
+        empty_weight((2, 272, 144), torch.device(DEVICE)),
+    )
+    quantize_weight_both(w, out, out_t)
+    for got, source in ((out, w), (out_t, w.transpose(1, 2))):
+        want = quantize_fp8_blocks(source)
+        torch.testing.assert_close(got.scale, want.scale, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(_bytes(got.data), _bytes(want.data))
+    assert out_t.data.is_contiguous() and out_t.scale.is_contiguous()
+
+
+def test_weight_both_forms_reject_a_wrong_transposed_buffer() -> None:
+    w = torch.zeros(1, 16, 32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"expected contiguous FP8 buffers \[1, 32, 16\]"):
+        quantize_weight_both(w, empty_weight((1, 16, 32), w.device), empty_weight((1, 16, 32), w.device))
