@@ -293,9 +293,7 @@ def _quantize_blocks(source: Tensor, out: FP8Tensor, out_t: FP8Tensor | None) ->
         source.stride(1),
         source.stride(2),
         BOTH=out_t is not None,
-        num_warps=16
-        if source.device.type == "cuda"
-        else 1,  # 32 elements a thread: faster than 8 or 32 warps on an H200
+        num_warps=16 if source.device.type == "cuda" else 1,  # faster than 8 or 32 on an H200
     )
 
 
