@@ -99,15 +99,19 @@ def _quantize_segments(*, index: bool, X: int) -> tuple:
     return _quantize_segments_kernel, args, {"num_warps": 4}
 
 
-def _quantize_blocks(Y: int, X: int, *, transposed: bool) -> tuple:
-    """quantize.quantize_weight from ``w [G, Y, X]`` or its transposed view (unit stride along Y)."""
+def _quantize_blocks(Y: int, X: int, *, transposed: bool = False, both: bool = False) -> tuple:
+    """quantize.quantize_weight from ``w [G, Y, X]`` or its transposed view (unit stride along Y), or
+    quantize_weight_both (``w`` and ``w^T`` from ``w``)."""
     strides = (
         dict(stride_g=X * Y, stride_y=1, stride_x=Y)
         if transposed
         else dict(stride_g=X * Y, stride_y=X, stride_x=1)
     )
-    args = dict(src_ptr="*bf16", data_ptr="*u8", scale_ptr="*fp32", Y=Y, X=X, **strides)
-    return _quantize_blocks_kernel, args, {"num_warps": 8}
+    args = dict(
+        src_ptr="*bf16", data_ptr="*u8", scale_ptr="*fp32", data_t_ptr="*u8", scale_t_ptr="*fp32", Y=Y, X=X,
+        **strides, BOTH=both,
+    )  # fmt: skip
+    return _quantize_blocks_kernel, args, {"num_warps": 16}
 
 
 def _swiglu() -> dict:
@@ -142,6 +146,7 @@ LAUNCHES = {
     "quantize segments (dh)": _quantize_segments(index=False, X=2 * I),
     "quantize weight blocks": _quantize_blocks(2 * I, H, transposed=False),
     "quantize weight blocks, transposed view": _quantize_blocks(2 * I, H, transposed=True),
+    "quantize weight blocks, both forms": _quantize_blocks(2 * I, H, both=True),
     **_swiglu(),
 }
 
