@@ -5,7 +5,8 @@ side stream beside the dgrad GEMMs::
 
     python -m benchmarks.profile_layer --model DeepSeek-V3 [--routing uniform] [--precision bf16]
 
-Prints one markdown row per kernel or copy: name, stream, start (ms from the first event) and
+A quantised precision's step starts an optimizer step (the weights quantised once in it, as in training
+without gradient accumulation). Prints one markdown row per kernel or copy: name, stream, start (ms from the first event) and
 duration, then the busy time per stream. Needs a CUDA GPU; ``--dry-run`` prints the plan only.
 """
 
@@ -18,7 +19,7 @@ from benchmarks.common import MODELS, make_routing
 
 
 def _layer_step(model: str, routing: str, precision: str):
-    from megamoe import fused_mega_moe
+    from megamoe import advance_weight_generation, fused_mega_moe
 
     shape = MODELS[model]
     dev = torch.device("cuda")
@@ -32,6 +33,8 @@ def _layer_step(model: str, routing: str, precision: str):
     dy = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=gen)
 
     def step() -> None:
+        if precision != "bf16":
+            advance_weight_generation()  # an optimizer step: the weights quantised once in the step
         y = fused_mega_moe(x, idx, tw, w1, w2, backend="triton", precision=precision)
         torch.autograd.grad(y, [x, tw, w1, w2], dy)
 
@@ -41,7 +44,7 @@ def _layer_step(model: str, routing: str, precision: str):
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", type=click.Choice(sorted(MODELS)), default="DeepSeek-V3", show_default=True)
 @click.option("--routing", type=click.Choice(["uniform", "skewed"]), default="uniform", show_default=True)
-@click.option("--precision", type=click.Choice(["bf16", "mxfp8"]), default="bf16", show_default=True)
+@click.option("--precision", type=click.Choice(["bf16", "mxfp8", "fp8"]), default="bf16", show_default=True)
 @click.option("--dry-run", is_flag=True, help="print what would be profiled and exit")
 def main(model: str, routing: str, precision: str, dry_run: bool) -> None:
     """Profile one forward + backward of the Triton layer at MODEL's per-rank shape."""
