@@ -441,6 +441,10 @@ def main(
         )
     if precision in QUANTIZED and mode != "layer":
         raise click.BadParameter(f"{precision} is benchmarked in --mode layer only", param_hint="--precision")
+    if cached_weights and num_processes > 1:
+        raise click.BadParameter(
+            "--cached-weights is benchmarked on one GPU only", param_hint="--cached-weights"
+        )
     if precision == "fp8" and num_processes > 1:
         raise click.BadParameter("fp8 is benchmarked on one GPU only", param_hint="--precision")
     unknown = [n for n in names if n not in MODELS]

@@ -77,3 +77,7 @@ def test_bench_cached_weights_is_for_quantised_precisions():
     assert result.exit_code == 0 and "cached_weights=True" in result.output, result.output
     result = runner.invoke(main, ["--cached-weights", "--dry-run"])
     assert result.exit_code == 2 and "use --precision mxfp8 or fp8" in result.output, result.output
+    result = runner.invoke(
+        main, ["--precision", "mxfp8", "--cached-weights", "--num-processes", "2", "--dry-run"]
+    )
+    assert result.exit_code == 2 and "one GPU only" in result.output, result.output
