@@ -9,7 +9,9 @@ and its promotion alternate. Here a persistent program of ``128 x BLOCK_N`` tile
 
 * a producer warp that walks the program's steps (its tiles × their 128-deep K tiles, one flat loop) and
   TMA-loads A ``[128, 128]`` and B ``[BLOCK_N, 128]`` into a ring of ``STAGES`` shared-memory stages,
-  refilling a stage once both consumers released it (``empty``, two arrivals);
+  with the step's 128 row scales and its weight block's scale beside them (asynchronous copies that the
+  stage's ``ready`` barrier also waits for), refilling a stage once both consumers released it
+  (``empty``, two arrivals);
 * two consumer warpgroups, rows ``[0, 64)`` and ``[64, 128)`` of each tile, each one::
 
       for step i:
@@ -20,11 +22,13 @@ and its promotion alternate. Here a persistent program of ``128 x BLOCK_N`` tile
           if step i - 1 ended its tile: store acc, acc = 0
 
 The consumers never wait for each other, and the tensor cores run one step while the CUDA cores
-promote the one before. Two partial sums and the accumulator, ``64 x BLOCK_N`` fp32 each, live in a
-consumer's registers; the loop runs two steps a trip so that the two partials alternate between two
-register sets (a loop-carried in-flight accumulator makes ptxas serialise every MMA; the sm_90a compile
-test checks it does not). A tile's coordinates are read from the tile table once per tile, not per step.
-Rows past a segment's end are computed and never stored; the last K tile reads TMA's zero fill.
+promote the one before. A consumer reads its scales from the stage: loaded from global memory by the
+consumer itself, each step's next MMA waited for them (ptxas issues their product before it). Two
+partial sums and the accumulator, ``64 x BLOCK_N`` fp32 each, live in a consumer's registers; the loop
+runs two steps a trip so that the two partials alternate between two register sets (a loop-carried
+in-flight accumulator makes ptxas serialise every MMA; the sm_90a compile test checks it does not). A
+tile's coordinates are read from the tile table once per tile, not per step. Rows past a segment's end
+are computed and never stored; the last K tile reads TMA's zero fill.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -97,27 +102,45 @@ def _producer(
     b_desc,
     a_bufs,
     b_bufs,
+    sa_bufs,
+    sb_bufs,
     ready,
     empty,
     tiles_ptr,
     num_tiles_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
     N,
     K,
+    stride_as_r,
+    stride_as_k,
+    stride_bs_g,
+    stride_bs_n,
+    stride_bs_k,
     num_programs,
     BLOCK_N: gl.constexpr,
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """One warp: the TMA loads of every step into the ring, a stage refilled once both consumers
-    released it. B is viewed ``[G N, K]``: an expert's rows start at ``expert * N``."""
+    """One warp: the loads of every step into the ring, a stage refilled once both consumers released
+    it. B is viewed ``[G N, K]``: an expert's rows start at ``expert * N``. A stage's scales: the rows'
+    in two 64-row halves (zeros past the segment), the weight block's repeated 64 times."""
     sched = _schedule(num_tiles_ptr, N, K, num_programs, BLOCK_N)
     coords = _before_first_step(K)
+    lanes = gl.arange(0, 64, layout=gl.BlockedLayout([2], [32], [1], [0]))
     for i in range(sched[3]):
         coords = _advance(coords, sched, tiles_ptr, K, num_programs, BLOCK_N, GROUP_M)
-        kb, _, expert, r0, _, n0 = coords
+        kb, _, expert, r0, r_end, n0 = coords
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes at once
         bar = ready.index(stage)
+        for half in gl.static_range(2):
+            rows = r0 + 64 * half + lanes
+            src = a_scale_ptr + rows.to(gl.int64) * stride_as_r + kb * stride_as_k
+            async_copy.async_copy_global_to_shared(sa_bufs.index(2 * stage + half), src, mask=rows < r_end)
+        sb_at = expert.to(gl.int64) * stride_bs_g + (n0 // 128) * stride_bs_n + kb * stride_bs_k
+        async_copy.async_copy_global_to_shared(sb_bufs.index(stage), b_scale_ptr + sb_at + lanes * 0)
+        async_copy.mbarrier_arrive(bar)  # ready also waits for these copies
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(a_desc, [r0, kb * 128], bar, a_bufs.index(stage))
         tma.async_copy_global_to_shared(b_desc, [expert * N + n0, kb * 128], bar, b_bufs.index(stage))
@@ -127,20 +150,15 @@ def _producer(
 def _consumer(
     a_bufs,
     b_bufs,
+    sa_bufs,
+    sb_bufs,
     ready,
     empty,
     tiles_ptr,
     num_tiles_ptr,
-    a_scale_ptr,
-    b_scale_ptr,
     c_ptr,
     N,
     K,
-    stride_as_r,
-    stride_as_k,
-    stride_bs_g,
-    stride_bs_n,
-    stride_bs_k,
     stride_c,
     num_programs,
     HALF: gl.constexpr,
@@ -154,8 +172,7 @@ def _consumer(
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
     )
-    ctx = (sched, tiles_ptr, a_scale_ptr, b_scale_ptr, c_ptr, N, K, stride_as_r, stride_as_k, stride_bs_g,
-           stride_bs_n, stride_bs_k, stride_c, num_programs)  # fmt: skip
+    ctx = (sched, tiles_ptr, sa_bufs, sb_bufs, c_ptr, N, K, stride_c, num_programs)
     zero = gl.zeros([64, BLOCK_N], gl.float32, mma)
     acc = gl.zeros([64, BLOCK_N], gl.float32, mma)
     coords = _before_first_step(K)  # of the step last issued to the tensor cores
@@ -205,6 +222,9 @@ def _wgmma_fp8_gemm_kernel(
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, 128, 128], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, 128], b_desc.layout)
+    scales: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    sa_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 64], scales)  # stage s: rows 2s, 2s + 1
+    sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 64], scales)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -214,14 +234,13 @@ def _wgmma_fp8_gemm_kernel(
     # partition arguments go flat (a constexpr inside a tuple argument does not cross the fork)
     gl.warp_specialize(
         [
-            (_consumer, (a_bufs, b_bufs, ready, empty, tiles_ptr, num_tiles_ptr, a_scale_ptr, b_scale_ptr, c_ptr,
-                         N, K, stride_as_r, stride_as_k, stride_bs_g, stride_bs_n, stride_bs_k, stride_c,
-                         num_programs, gl.constexpr(0), BLOCK_N, GROUP_M, STAGES)),
-            (_consumer, (a_bufs, b_bufs, ready, empty, tiles_ptr, num_tiles_ptr, a_scale_ptr, b_scale_ptr, c_ptr,
-                         N, K, stride_as_r, stride_as_k, stride_bs_g, stride_bs_n, stride_bs_k, stride_c,
-                         num_programs, gl.constexpr(1), BLOCK_N, GROUP_M, STAGES)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_tiles_ptr, N, K,
-                         num_programs, BLOCK_N, GROUP_M, STAGES)),
+            (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, tiles_ptr, num_tiles_ptr, c_ptr, N, K,
+                         stride_c, num_programs, gl.constexpr(0), BLOCK_N, GROUP_M, STAGES)),
+            (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, tiles_ptr, num_tiles_ptr, c_ptr, N, K,
+                         stride_c, num_programs, gl.constexpr(1), BLOCK_N, GROUP_M, STAGES)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, tiles_ptr, num_tiles_ptr,
+                         a_scale_ptr, b_scale_ptr, N, K, stride_as_r, stride_as_k, stride_bs_g, stride_bs_n,
+                         stride_bs_k, num_programs, BLOCK_N, GROUP_M, STAGES)),
         ],
         [4, 1],
         [CONSUMER_REGS, 40],
@@ -252,26 +271,17 @@ def _step(
     """Issue step ``i``'s MMA, then, while it runs, release the stage step ``i - 1`` read and promote its
     partial sum (``coords`` are step ``i - 1``'s). Returns the accumulator, step ``i``'s in-flight
     partial sum, its scales and its coordinates."""
-    (sched, tiles_ptr, a_scale_ptr, b_scale_ptr, c_ptr, N, K, stride_as_r, stride_as_k, stride_bs_g, stride_bs_n,
-     stride_bs_k, stride_c, num_programs) = ctx  # fmt: skip
+    sched, tiles_ptr, sa_bufs, sb_bufs, c_ptr, N, K, stride_c, num_programs = ctx
     stage = i % STAGES
     mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+    sa = sa_bufs.index(2 * stage + HALF).load(prev_scale.type.layout)  # step i's scales, used a step later
+    sb = sb_bufs.index(stage).load(prev_scale.type.layout)
     a = a_bufs.index(stage).slice(64 * HALF, 64)
     cur = warpgroup_mma(a, b_bufs.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
     part = warpgroup_mma_wait(1, deps=(prev,))
     mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
     acc = _promote(acc, part, prev_scale, coords, c_ptr, N, K, stride_c, HALF, BLOCK_N)
     coords = _advance(coords, sched, tiles_ptr, K, num_programs, BLOCK_N, GROUP_M)
-    # step i's row scales times its weight block's, used when it is promoted one step later (their load
-    # latency hidden)
-    kb, _, expert, r0, r_end, n0 = coords
-    rows = r0 + 64 * HALF + gl.arange(0, 64, layout=prev_scale.type.layout)
-    sa = gl.load(
-        a_scale_ptr + rows.to(gl.int64) * stride_as_r + kb * stride_as_k, mask=rows < r_end, other=0.0
-    )
-    sb = gl.load(
-        b_scale_ptr + expert.to(gl.int64) * stride_bs_g + (n0 // 128) * stride_bs_n + kb * stride_bs_k
-    )
     return acc, cur, sa * sb, coords
 
 
