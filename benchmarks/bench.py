@@ -406,9 +406,9 @@ def _write_json(
 @click.option(
     "--cached-weights",
     is_flag=True,
-    help="with --precision mxfp8 or fp8: serve the quantised weights from the weight cache, as on an "
-    "optimizer step's later micro-batches (the generation is advanced once, so each form is quantised "
-    "on its first call only)",
+    help="with --precision mxfp8 or fp8, on one GPU: serve the quantised weights from the weight cache, "
+    "as on an optimizer step's later micro-batches (the generation is advanced once, so each form is "
+    "quantised on its first call only)",
 )
 @click.option(
     "--num-processes",
