@@ -34,7 +34,7 @@ from megamoe.backends.triton.configs import wgrad_config as bf16_wgrad_config
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
 from megamoe.backends.triton.routing import build_routing_plan
 from megamoe.backends.triton.wgrad import grouped_wgrad
-from megamoe.backends.triton_fp8.configs import GPU_WGMMA, gemm_config, wgrad_config
+from megamoe.backends.triton_fp8.configs import GPU_WGMMA, GPU_WGMMA_WGRAD, gemm_config, wgrad_config
 from megamoe.backends.triton_fp8.grouped_gemm import fp8_grouped_gemm
 from megamoe.backends.triton_fp8.quantize import (
     empty_weight,
@@ -49,9 +49,9 @@ from megamoe.backends.triton_fp8.swiglu import swiglu_quant
 from megamoe.backends.triton_fp8.wgrad import fp8_wgrad
 
 try:  # Gluon with Hopper's warpgroup MMA
-    from megamoe.backends.triton_fp8 import wgmma_gemm
+    from megamoe.backends.triton_fp8 import wgmma_gemm, wgmma_wgrad
 except ImportError:
-    wgmma_gemm = None
+    wgmma_gemm = wgmma_wgrad = None
 
 GEMM_CANDIDATES: list[dict[str, int]] = [
     {},  # the default (configs.GPU_GEMM_GATHER for gemm1, GPU_GEMM_TMA for gemm2)
@@ -103,7 +103,9 @@ def main() -> None:
     quantize_weight(w2, qw2)
     rows: list[dict] = []
 
-    def sweep(op, flops, bf16_fn, fp8_fn, out_shape, default, candidates, wgmma_fn=None):
+    def sweep(
+        op, flops, bf16_fn, fp8_fn, out_shape, default, candidates, wgmma_fn=None, wgmma_config=GPU_WGMMA
+    ):
         if args.passes_only:
             return
         bf16_out = torch.empty(out_shape, device=device, dtype=torch.bfloat16)
@@ -122,7 +124,7 @@ def main() -> None:
             print(_fmt(row, bf16_ms), flush=True)
         if wgmma_fn is not None and wgmma_gemm is not None and wgmma_gemm.supported(device):
             out = torch.empty(out_shape, device=device, dtype=torch.bfloat16)
-            row = _row(op, "fp8-wgmma", dataclasses.asdict(GPU_WGMMA), flops, lambda: wgmma_fn(out))
+            row = _row(op, "fp8-wgmma", dataclasses.asdict(wgmma_config), flops, lambda: wgmma_fn(out))
             _compare(row, out, ref)
             rows.append(row)
             print(_fmt(row, bf16_ms), flush=True)
@@ -180,6 +182,10 @@ def main() -> None:
         (G, 2 * I, H),
         wgrad_config(device),
         WGRAD_CANDIDATES,
+        lambda out: wgmma_wgrad.wgmma_fp8_wgrad(
+            qp, qq, out.view(G, 2 * I, H), block_start, config=GPU_WGMMA_WGRAD, num_sms=num_sms
+        ),
+        GPU_WGMMA_WGRAD,
     )
     valid = plan.expert_start_G1[-1:]
     qw1_t = empty_weight((G, H, 2 * I), device)

@@ -17,8 +17,8 @@ import sys
 import triton
 from triton.experimental.gluon import language as gl
 
-from megamoe.backends.triton_fp8 import wgmma_gemm
-from megamoe.backends.triton_fp8.configs import GPU_WGMMA, gemm_config, wgrad_config
+from megamoe.backends.triton_fp8 import wgmma_gemm, wgmma_wgrad
+from megamoe.backends.triton_fp8.configs import GPU_WGMMA, GPU_WGMMA_WGRAD, gemm_config, wgrad_config
 from megamoe.backends.triton_fp8.fp8_math import TILE
 from megamoe.backends.triton_fp8.grouped_gemm import _fp8_grouped_gemm_kernel
 from megamoe.backends.triton_fp8.quantize import (
@@ -81,6 +81,21 @@ def _wgrad(M: int, N: int) -> tuple:
     return _fp8_wgrad_kernel, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
+def _wgmma_wgrad(M: int, N: int) -> tuple:
+    """wgmma_wgrad.wgmma_fp8_wgrad: packed along-R operands with the kernel's NVMMA shared layouts."""
+    cfg = GPU_WGMMA_WGRAD
+    p_layout = repr(gl.NVMMASharedLayout.get_default_for([TILE, TILE], gl.float8e4nv))
+    q_layout = repr(gl.NVMMASharedLayout.get_default_for([cfg.block_n, TILE], gl.float8e4nv))
+    args = dict(
+        p_desc=f"tensordesc<fp8e4nv[{TILE},{TILE}],{p_layout}>",
+        q_desc=f"tensordesc<fp8e4nv[{cfg.block_n},{TILE}],{q_layout}>", p_scale_ptr="*fp32", q_scale_ptr="*fp32",
+        out_ptr="*bf16", block_start_ptr="*i32", G=G, M=M, N=N, stride_ps_m=1, stride_ps_b=M, stride_qs_n=1,
+        stride_qs_b=N, num_programs=NUM_SMS * cfg.programs_per_sm, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+        STAGES=cfg.num_stages, CONSUMER_REGS=wgmma_wgrad.CONSUMER_REGS,
+    )  # fmt: skip
+    return wgmma_wgrad._wgmma_fp8_wgrad_kernel, args, {"num_warps": cfg.num_warps}
+
+
 def _quantize_rows(rows: int, X: int, *, valid: bool) -> tuple:
     block_r, tiles = row_block(X, CUDA)
     args = dict(
@@ -140,6 +155,8 @@ LAUNCHES = {
     "wgmma gemm, bf16 out (fc2 fwd)": _wgmma_gemm(N=H, K=I, out="*bf16"),
     "wgmma gemm, bf16 out (fc1 dgrad)": _wgmma_gemm(N=H, K=2 * I, out="*bf16"),
     "wgrad (K-grouped)": _wgrad(H, I),
+    "wgmma wgrad (dW1)": _wgmma_wgrad(2 * I, H),
+    "wgmma wgrad (dW2)": _wgmma_wgrad(H, I),
     "quantize rows (x, dy)": _quantize_rows(T, H, valid=False),
     "quantize rows, valid rows (dh)": _quantize_rows(R, 2 * I, valid=True),
     "quantize segments: gathered (x, dy)": _quantize_segments(index=True, X=H),

@@ -5,9 +5,9 @@ The CPU tests run these kernels in the interpreter, which accepts what the GPU c
 says nothing about registers; this test compiles every distinct launch (``sm90_compile.py``) with the
 ptxas Triton ships and checks spills and shared memory, in a fresh process (``TRITON_INTERPRET=1``,
 set for the other CPU tests, replaces the kernels). Compiled, the quantisers round with the hardware
-conversion (:mod:`megamoe.backends.triton_fp8.fp8_math`); that is checked in their PTX. The Gluon GEMM
-(:mod:`megamoe.backends.triton_fp8.wgmma_gemm`) must keep its MMAs asynchronous: ptxas reports when it
-serialises them.
+conversion (:mod:`megamoe.backends.triton_fp8.fp8_math`); that is checked in their PTX. The Gluon kernels
+(:mod:`megamoe.backends.triton_fp8.wgmma_gemm`, :mod:`~megamoe.backends.triton_fp8.wgmma_wgrad`) must keep
+their MMAs asynchronous: ptxas reports when it serialises them.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def test_every_launch_compiles_for_sm90_without_spills() -> None:
         registers = programs * 32 * config.num_warps * -(-result["registers"] // 8) * 8
         assert registers <= 65536, f"{name}: {programs} programs need {registers} registers of 65536"
         assert programs * (result["shared"] + 1024) <= SMEM_LIMIT + 1024, f"{name}: {result}"
-    wgmma = [name for name in report if name.startswith("wgmma gemm")]
-    assert wgmma
-    for name in wgmma:  # the point of the Gluon kernel: each MMA overlaps the previous one's promotion
+    wgmma = [name for name in report if name.startswith("wgmma")]
+    assert len(wgmma) > 4
+    for name in wgmma:  # the point of the Gluon kernels: MMAs overlap promotions
         assert not report[name]["wgmma_serialized"], f"{name}: ptxas serialised its wgmma ({report[name]})"
     quantisers = [name for name in report if "quantize" in name]
     assert quantisers
