@@ -14,7 +14,8 @@ format (the emulation's table, :mod:`megamoe.backends.quantized_reference`):
     fc1 wgrad  dW1 = t(dh)^T t(x) along R           segment quantiser (x gathered) + K-grouped GEMM
 
 On Hopper the M-grouped GEMMs run the warp-specialised Gluon kernel of :mod:`.wgmma_gemm` (fc1 fwd and
-fc2 dgrad after a gather of the quantised rows), elsewhere the Triton kernel; both give the same bits.
+fc2 dgrad after a gather of the quantised rows) and the weight gradients that of :mod:`.wgmma_wgrad`,
+elsewhere the Triton kernels; each pair gives the same bits.
 The weight gradients write every element, so their outputs start uninitialised (no memset pass).
 """
 
@@ -29,7 +30,7 @@ from megamoe.backends.triton.configs import num_programs
 from megamoe.backends.triton.padding import zero_padding_rows
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton.rows import Rows
-from megamoe.backends.triton_fp8.configs import GPU_WGMMA, gemm_config, wgrad_config
+from megamoe.backends.triton_fp8.configs import GPU_WGMMA, GPU_WGMMA_WGRAD, gemm_config, wgrad_config
 from megamoe.backends.triton_fp8.fp8_math import TILE
 from megamoe.backends.triton_fp8.grouped_gemm import fp8_grouped_gemm
 from megamoe.backends.triton_fp8.quantize import (
@@ -45,10 +46,10 @@ from megamoe.errors import UnsupportedSettingError
 from megamoe.quant.cache import WeightCache
 from megamoe.quant.fp8 import FP8Tensor
 
-try:  # Gluon (triton.experimental.gluon) with Hopper's warpgroup MMA; other builds use the Triton GEMM
-    from megamoe.backends.triton_fp8 import wgmma_gemm
+try:  # Gluon (triton.experimental.gluon) with Hopper's warpgroup MMA; other builds use the Triton GEMMs
+    from megamoe.backends.triton_fp8 import wgmma_gemm, wgmma_wgrad
 except ImportError:
-    wgmma_gemm = None
+    wgmma_gemm = wgmma_wgrad = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,10 +124,15 @@ class FP8Experts:
 
     @staticmethod
     def _wgrad(p: FP8Tensor, q: FP8Tensor, out: Tensor, plan: RowPlan) -> Tensor:
-        """``out = P^T Q`` per expert, every element written (zeros for an expert without rows)."""
-        fp8_wgrad(
-            p, q, out, plan.block_start_G1, config=wgrad_config(out.device), num_sms=num_programs(out.device)
-        )
+        """``out = P^T Q`` per expert, every element written (zeros for an expert without rows): on Hopper
+        by the warp-specialised Gluon kernel, elsewhere by the Triton kernel (the same bits)."""
+        device = out.device
+        if wgmma_wgrad is not None and wgmma_gemm.supported(device):
+            wgmma_wgrad.wgmma_fp8_wgrad(
+                p, q, out, plan.block_start_G1, config=GPU_WGMMA_WGRAD, num_sms=num_programs(device)
+            )
+            return out
+        fp8_wgrad(p, q, out, plan.block_start_G1, config=wgrad_config(device), num_sms=num_programs(device))
         return out
 
     @staticmethod
