@@ -25,7 +25,9 @@ stream reads or writes outlives the op's stream order)::
 
 Off CUDA (the CPU interpreter) everything runs in order on the one stream there is, and so do gathers
 of less than ``SIDE_STREAM_MIN_BYTES``: the fork and join cost the host more than such a copy costs
-the GPU (at small T the host's time is the layer's time).
+the GPU (at small T the host's time is the layer's time). On CUDA those run as one ``index_select``:
+a single launch, where the persistent gather needs a zeroed counter and, on Hopper, two TMA
+descriptors built on the host.
 """
 
 from __future__ import annotations
@@ -146,7 +148,9 @@ class RowGather:
     def start(self) -> None:
         """Enqueue the gather (on the side stream where it has one): call it right after the GEMM's
         launch."""
-        if self._side is None:
+        if self._side is None and self._src.is_cuda:
+            torch.index_select(self._src, 0, self._index, out=self._out)
+        elif self._side is None:
             gather_rows(self._src, self._index, self._out)
         else:
             with torch.cuda.stream(self._side):

@@ -86,15 +86,30 @@ def test_side_stream_gather_captures_in_a_cuda_graph(monkeypatch, side_min_bytes
 @pytest.mark.gpu
 @pytest.mark.parametrize(("rows", "hidden"), [(1001, 72), (37, 7168), (4099, 2048), (513, 1100)])
 def test_bf16_rows_go_by_tma_on_hopper_and_equal_the_gather(rows: int, hidden: int) -> None:
-    """bf16 rows a multiple of 16 bytes go through the TMA kernel on Hopper (a ragged last row block, a
-    row narrower than one 256-column box, DeepSeek-V3's width); 1100 columns (2200 bytes) through the
-    register kernel. Either way the rows are ``src[index]``."""
+    """The side stream's persistent gather: bf16 rows a multiple of 16 bytes go through the TMA kernel on
+    Hopper (a ragged last row block, a row narrower than one 256-column box, DeepSeek-V3's width); 1100
+    columns (2200 bytes) through the register kernel. Either way the rows are ``src[index]``."""
     src, index = _problem("cuda", rows, hidden)
     src = src.to(torch.bfloat16)
-    gather = RowGather(src, index)
+    out = torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda")
     hopper = torch.cuda.get_device_capability()[0] >= 9
-    assert tma_rows.supported(src, torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda")) == (
-        hopper and hidden % 8 == 0
-    )
-    gather.start()
-    assert torch.equal(gather.rows(), src[index.long()])
+    assert tma_rows.supported(src, out) == (hopper and hidden % 8 == 0)
+    side_gather.gather_rows(src, index, out)
+    assert torch.equal(out, src[index.long()])
+
+
+@pytest.mark.gpu
+def test_small_gathers_run_inline_as_one_launch() -> None:
+    """Below ``SIDE_STREAM_MIN_BYTES`` a CUDA gather is one ``index_select`` on the current stream: no
+    side stream, no counter to zero."""
+    from torch.profiler import ProfilerActivity, profile
+
+    src, index = _problem("cuda")
+    gather = RowGather(src.to(torch.bfloat16), index)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        gather.start()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, [e.name for e in kernels]
+    assert torch.equal(gather.rows(), src.to(torch.bfloat16)[index.long()])
