@@ -196,6 +196,27 @@ def _consumer(
 
 
 @gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """``(ready, empty)``: one mbarrier pair per stage of a ring that a producer warp fills and two
+    consumer warpgroups drain (``ready`` completes with the stage's copies, ``empty`` with one arrival
+    per consumer), initialised and fenced before the copy engine sees them."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    fence_async_shared()
+    return ready, empty
+
+
+@gluon.jit
+def invalidate_ring(ready, empty, STAGES: gl.constexpr):
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+@gluon.jit
 def _wgmma_fp8_gemm_kernel(
     a_desc,
     b_desc,
@@ -225,12 +246,7 @@ def _wgmma_fp8_gemm_kernel(
     scales: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     sa_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 64], scales)  # stage s: rows 2s, 2s + 1
     sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 64], scales)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
-    fence_async_shared()  # the barriers initialised before the copy engine sees them
+    ready, empty = ring_barriers(STAGES)
     # partition arguments go flat (a constexpr inside a tuple argument does not cross the fork)
     gl.warp_specialize(
         [
@@ -245,9 +261,7 @@ def _wgmma_fp8_gemm_kernel(
         [4, 1],
         [CONSUMER_REGS, 40],
     )  # fmt: skip
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
+    invalidate_ring(ready, empty, STAGES)
 
 
 @gluon.jit

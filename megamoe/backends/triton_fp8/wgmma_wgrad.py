@@ -20,7 +20,7 @@ of ``128 x BLOCK_N`` output tiles (experts outermost) is three partitions:
           store acc (zeros for an expert without rows)
 
 A block's promotion scales each element by a row and a column scale, so a consumer holds the
-accumulator, one partial sum and a column scale per column pair: an MMA is waited for at once
+accumulator, one partial sum and the scales of the columns it holds: an MMA is waited for at once
 (``warpgroup_mma_wait(0)``) and the two warpgroups overlap each other, one promoting while the
 other's MMA runs. Unlike the M-grouped kernel's flat step loop, a tile's steps are its expert's blocks,
 so both partitions walk the same two nested loops and count the stages they used. One fp32 sum per
@@ -34,17 +34,12 @@ from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton_fp8.fp8_math import TILE
+from megamoe.backends.triton_fp8.wgmma_gemm import invalidate_ring, ring_barriers
 from megamoe.backends.triton_mx.mx_math import swizzle
 from megamoe.quant.fp8 import FP8Tensor
 
@@ -52,7 +47,7 @@ CONSUMER_REGS = 232  # per thread of each consumer warpgroup (the producer warp'
 
 
 @gluon.jit
-def _tile(t, G, M, N, num_programs, block_start_ptr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+def _tile(t, M, N, num_programs, block_start_ptr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
     """``(expert, first row m0, first column n0, first block, end block)`` of this program's ``t``-th tile."""
     num_m = gl.cdiv(M, 128)
     num_n = gl.cdiv(N, BLOCK_N)
@@ -101,7 +96,7 @@ def _producer(
     cols = gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0]))
     i = 0
     for t in range(_num_tiles(G, M, N, num_programs, BLOCK_N)):
-        _, m0, n0, b0, b1 = _tile(t, G, M, N, num_programs, block_start_ptr, BLOCK_N, GROUP_M)
+        _, m0, n0, b0, b1 = _tile(t, M, N, num_programs, block_start_ptr, BLOCK_N, GROUP_M)
         for kb in range(b0, b1):
             stage = i % STAGES
             mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes at once
@@ -148,7 +143,7 @@ def _consumer(
     zero = gl.zeros([64, BLOCK_N], gl.float32, mma)
     i = 0
     for t in range(_num_tiles(G, M, N, num_programs, BLOCK_N)):
-        expert, m0, n0, b0, b1 = _tile(t, G, M, N, num_programs, block_start_ptr, BLOCK_N, GROUP_M)
+        expert, m0, n0, b0, b1 = _tile(t, M, N, num_programs, block_start_ptr, BLOCK_N, GROUP_M)
         acc = gl.zeros([64, BLOCK_N], gl.float32, mma)
         for _ in range(b0, b1):
             stage = i % STAGES
@@ -194,12 +189,7 @@ def _wgmma_fp8_wgrad_kernel(
     scales: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     sp_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 64], scales)  # stage s: rows 2s, 2s + 1
     sq_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scales)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
-    fence_async_shared()  # the barriers initialised before the copy engine sees them
+    ready, empty = ring_barriers(STAGES)
     gl.warp_specialize(
         [
             (_consumer, (p_bufs, q_bufs, sp_bufs, sq_bufs, ready, empty, out_ptr, block_start_ptr, G, M, N,
@@ -213,9 +203,7 @@ def _wgmma_fp8_wgrad_kernel(
         [4, 1],
         [CONSUMER_REGS, 40],
     )  # fmt: skip
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
+    invalidate_ring(ready, empty, STAGES)
 
 
 def wgmma_fp8_wgrad(

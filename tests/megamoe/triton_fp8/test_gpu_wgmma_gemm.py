@@ -28,13 +28,6 @@ from megamoe.backends.triton_fp8.quantize import (
 pytestmark = pytest.mark.gpu
 
 
-def _hopper() -> torch.device:
-    device = torch.device("cuda")
-    if not wgmma_gemm.supported(device):
-        pytest.skip("the Gluon FP8 GEMM runs on compute capability 9.x (Hopper) only")
-    return device
-
-
 @pytest.mark.parametrize(
     ("tokens", "experts", "K", "N", "out_dtype"),
     [
@@ -45,8 +38,8 @@ def _hopper() -> torch.device:
     ],
 )
 @pytest.mark.parametrize("gathered", [False, True])
-def test_wgmma_gemm_same_bits_as_the_triton_gemm(tokens, experts, K, N, out_dtype, gathered) -> None:
-    device = _hopper()
+def test_wgmma_gemm_same_bits_as_the_triton_gemm(hopper, tokens, experts, K, N, out_dtype, gathered) -> None:
+    device = hopper
     torch.manual_seed(0)
     first = torch.randint(0, experts // 2, (tokens, 1), device=device) * 2  # even experts only
     idx = torch.cat([first, (first + 2) % experts], dim=1)
@@ -70,8 +63,8 @@ def test_wgmma_gemm_same_bits_as_the_triton_gemm(tokens, experts, K, N, out_dtyp
     assert torch.equal(out, ref)
 
 
-def test_gather_rows_moves_data_and_scales() -> None:
-    device = _hopper()
+def test_gather_rows_moves_data_and_scales(hopper) -> None:
+    device = hopper
     qa = quantize_rows(torch.randn(50, 384, device=device, dtype=torch.bfloat16))
     index = torch.randint(0, 50, (77,), device=device, dtype=torch.int32)
     got = gather_rows(qa, index)
