@@ -40,6 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton_fp8.fp8_math import TILE
 from megamoe.backends.triton_fp8.wgmma_gemm import invalidate_ring, ring_barriers
+from megamoe.backends.triton_fp8.wgrad import check_operands
 from megamoe.backends.triton_mx.mx_math import swizzle
 from megamoe.quant.fp8 import FP8Tensor
 
@@ -216,16 +217,7 @@ def wgmma_fp8_wgrad(
         raise ValueError(
             f"{config}: the tile must be 128 rows (two 64-row consumer warpgroups) by 128 deep, num_warps 4"
         )
-    G, M, N = out_GMN.shape
-    if (
-        p.data.shape != (M, q.data.shape[1])
-        or q.data.shape[0] != N
-        or p.tile != (1, TILE)
-        or q.tile != (1, TILE)
-    ):
-        raise ValueError(
-            f"p {tuple(p.data.shape)}, q {tuple(q.data.shape)}: expected [M={M}, L] and [N={N}, L] in 1x128 tiles"
-        )
+    G, M, N = check_operands(p, q, out_GMN)
     if G == 0 or M == 0 or N == 0:
         return
     p_layout = gl.NVMMASharedLayout.get_default_for([TILE, TILE], gl.float8e4nv)

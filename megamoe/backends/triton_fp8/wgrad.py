@@ -83,12 +83,8 @@ def _fp8_wgrad_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def fp8_wgrad(
-    p: FP8Tensor, q: FP8Tensor, out_GMN: Tensor, block_start_G1: Tensor, *, config: TileConfig, num_sms: int
-) -> None:
-    """Write ``out_GMN[g] = P_g^T Q_g`` from the packed along-R operands ``p [M, 128 NB]``, ``q [N, 128 NB]``."""
-    if config.block_k != TILE:
-        raise ValueError(f"BLOCK_K={config.block_k}: must be {TILE} (one 128-row tile per stage)")
+def check_operands(p: FP8Tensor, q: FP8Tensor, out_GMN: Tensor) -> tuple[int, int, int]:
+    """``(G, M, N)`` of ``out_GMN``, once ``p`` and ``q`` are its packed along-R operands in 1×128 tiles."""
     G, M, N = out_GMN.shape
     if (
         p.data.shape != (M, q.data.shape[1])
@@ -99,6 +95,16 @@ def fp8_wgrad(
         raise ValueError(
             f"p {tuple(p.data.shape)}, q {tuple(q.data.shape)}: expected [M={M}, L] and [N={N}, L] in 1x128 tiles"
         )
+    return G, M, N
+
+
+def fp8_wgrad(
+    p: FP8Tensor, q: FP8Tensor, out_GMN: Tensor, block_start_G1: Tensor, *, config: TileConfig, num_sms: int
+) -> None:
+    """Write ``out_GMN[g] = P_g^T Q_g`` from the packed along-R operands ``p [M, 128 NB]``, ``q [N, 128 NB]``."""
+    if config.block_k != TILE:
+        raise ValueError(f"BLOCK_K={config.block_k}: must be {TILE} (one 128-row tile per stage)")
+    G, M, N = check_operands(p, q, out_GMN)
     if G == 0 or M == 0 or N == 0:
         return
     bm, bn = config.block_m, config.block_n
