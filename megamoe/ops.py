@@ -141,8 +141,12 @@ class _DispatchGroupedGemm(torch.autograd.Function):
         if act is None:
             act = h.new_empty(0)
         ctx.mark_non_differentiable(act, *state)
+        # no zero-filled gradients for act and state (an [R, I] memset every backward); the backward
+        # makes the zeros of h or dispatch_weights itself where no gradient reached them
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, w1, *state)
         ctx.handle = handle
+        ctx.zero_grads = ((h.shape, h.dtype), (dispatch_weights.shape, dispatch_weights.dtype))
         return h, dispatch_weights, act, *state
 
     @staticmethod
@@ -150,8 +154,12 @@ class _DispatchGroupedGemm(torch.autograd.Function):
         x, w1, *state = ctx.saved_tensors
         handle = _with_state(ctx.handle, state)
         needs = tuple(ctx.needs_input_grad[:3])
+        (h_shape, h_dtype), (w_shape, w_dtype) = ctx.zero_grads
+        grad_h = x.new_zeros(h_shape, dtype=h_dtype) if grad_h is None else grad_h.contiguous()
+        if grad_dispatch_weights is None:
+            grad_dispatch_weights = x.new_zeros(w_shape, dtype=w_dtype)
         dx, d_topk_weights, dw1 = handle.backend.stage1_backward(
-            x, w1, handle.plan, grad_h.contiguous(), grad_dispatch_weights.contiguous(), needs
+            x, w1, handle.plan, grad_h, grad_dispatch_weights.contiguous(), needs
         )
         return dx, d_topk_weights, dw1, None
 

@@ -62,6 +62,26 @@ def test_two_stages_equal_fused_op():
     torch.testing.assert_close(y, fused_mega_moe(x, idx, w, c["w1"], c["w2"]), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("used", ["h", "dispatch_weights"])
+def test_stage1_gradient_reaching_one_output_only(used):
+    """No gradient reaching one of stage 1's outputs counts as a zero gradient there."""
+    c = make_case(tokens=[9], hidden=8, inter=4, experts=4, topk=2, seed=6)
+    idx = c["topk_idx"][0]
+    leaves = [t.clone().requires_grad_() for t in (c["x"][0], c["topk_weights"][0], c["w1"])]
+
+    def loss(zero_other: bool):
+        h, dispatch_weights, _ = dispatch_grouped_gemm(leaves[0], idx, leaves[1], leaves[2])
+        weights = torch.linspace(-1, 1, h.numel(), dtype=h.dtype).view_as(h)
+        outputs = {"h": (h * weights).sum(), "dispatch_weights": (dispatch_weights**2).sum()}
+        other = "dispatch_weights" if used == "h" else "h"
+        return outputs[used] + (0.0 * outputs[other] if zero_other else 0.0)
+
+    grads = torch.autograd.grad(loss(False), leaves, allow_unused=True)
+    expected = torch.autograd.grad(loss(True), leaves)
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(torch.zeros_like(e) if g is None else g, e, rtol=0, atol=0)
+
+
 def test_forward_saves_no_dispatched_copy_of_x():
     """Backward recomputes the dispatched tokens: nothing of shape [R, H] may be saved for it."""
     c = make_case(tokens=[10], hidden=8, inter=6, experts=4, topk=3, seed=5, drop=0.0)  # 2I != H

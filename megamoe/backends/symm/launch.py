@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -25,6 +24,7 @@ from megamoe.backends.symm.layout import SymmLayout
 from megamoe.backends.symm.signals import barrier_kernel, wait_kernel
 from megamoe.backends.symm.workspace import SymmWorkspace
 from megamoe.backends.triton.configs import gemm_config, num_programs
+from megamoe.backends.triton.grid import cdiv, next_power_of_2
 from megamoe.backends.triton.side_gather import BLOCK_H as GATHER_BLOCK_H
 from megamoe.backends.triton.side_gather import BLOCK_R as GATHER_BLOCK_R
 from megamoe.backends.triton.side_gather import NUM_WARPS as GATHER_WARPS
@@ -56,7 +56,7 @@ def begin_op(ws: SymmWorkspace, counts_E: Tensor | None = None) -> None:
         ws.view("counts"),
         ws.settings.max_spins(),
         HAS_COUNTS=counts_E is not None,
-        BLOCK_E=min(triton.next_power_of_2(max(E, 1)), 1024),
+        BLOCK_E=min(next_power_of_2(max(E, 1)), 1024),
         num_warps=4,
     )
 
@@ -198,7 +198,7 @@ def pool_weights(
     if P == 0:
         return out
     block = 1024
-    pool_weights_kernel[(triton.cdiv(P, block),)](
+    pool_weights_kernel[(cdiv(P, block),)](
         layout.row_src_R, layout.row_pos_R, layout.expert_start_G1, send_weight_S if broadcast else None,
         ws.view("bcast_weight") if broadcast else ws.view("pool_weight"), out, ws.rank,
         ws.num_local_experts, P, ws.max_tokens * ws.key.topk, BROADCAST=broadcast, BLOCK=block,
@@ -213,7 +213,7 @@ def pool_tokens(ws: SymmWorkspace, layout: SymmLayout, send_token_S: Tensor) -> 
     P = ws.pool_rows
     out = torch.empty(P, dtype=torch.int32, device=ws.state.device)
     block = 1024
-    pool_tokens_kernel[(triton.cdiv(P, block),)](
+    pool_tokens_kernel[(cdiv(P, block),)](
         layout.row_src_R, layout.row_pos_R, layout.expert_start_G1, send_token_S, ws.view("bcast_token"),
         out, ws.rank, ws.num_local_experts, P, ws.max_tokens, ws.max_tokens * ws.key.topk, BLOCK=block,
     )  # fmt: skip

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megamoe.backends.triton.grid import next_power_of_2
 from megamoe.backends.triton.routing import tile_table_rows
 
 
@@ -98,7 +99,7 @@ def build_layout(
         counts_WE, epoch_1, rank, W, E, G, P, max_tiles,
         out.send_dest_row_E, out.expert_start_G1, out.tiles_X3, out.num_tiles_1, out.num_local_tiles_1, out.row_src_R,
         out.row_pos_R, out.received_rows_1, out.seg_start_GW, out.seg_len_GW, out.seg_pos_GW,
-        BANKED=epoch_1 is not None, W_PAD=max(2, triton.next_power_of_2(W)), G_PAD=max(2, triton.next_power_of_2(G)),
+        BANKED=epoch_1 is not None, W_PAD=max(2, next_power_of_2(W)), G_PAD=max(2, next_power_of_2(G)),
         BLOCK_R=block_r, BLOCK_T=block_r, BLOCK_M=block_m, num_warps=1 if interpret else 4,
     )  # fmt: skip
     return out

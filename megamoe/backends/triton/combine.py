@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megamoe.backends.triton.grid import cdiv, next_power_of_2
+
 
 @triton.jit
 def _combine_kernel(
@@ -53,8 +55,8 @@ def combine(
     T, H = out_TH.shape
     if T == 0:
         return
-    block_h = min(triton.next_power_of_2(H), 2048)
-    _combine_kernel[(T, triton.cdiv(H, block_h))](
+    block_h = min(next_power_of_2(H), 2048)
+    _combine_kernel[(T, cdiv(H, block_h))](
         rows_RH,
         slot_row_S,
         weights_R,

@@ -38,6 +38,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
+from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton.swiglu import swiglu_tile
 
@@ -236,7 +237,7 @@ def grouped_gemm(
                 f"act must be [R={out.shape[0]}, {N // 2}] for B [G, {N}, K], got {tuple(act.shape)}"
             )
         b_desc = TensorDescriptor.from_tensor(b_GNK.view(G, 2, N // 2, K), [1, 2, bn // 2, bk])
-        num_n = triton.cdiv(N // 2, bn // 2)
+        num_n = cdiv(N // 2, bn // 2)
     elif b_kn:
         K, N = b_GNK.shape[1], b_GNK.shape[2]
         b_desc = TensorDescriptor.from_tensor(b_GNK, [1, bk, bn])
@@ -244,7 +245,7 @@ def grouped_gemm(
         N, K = b_GNK.shape[1], b_GNK.shape[2]
         b_desc = TensorDescriptor.from_tensor(b_GNK, [1, bn, bk])
     if act is None:
-        num_n = triton.cdiv(N, bn)
+        num_n = cdiv(N, bn)
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk]) if a_mode == 0 else None
     grid_size = min(num_sms, plan.max_tiles * num_n)
     _grouped_gemm_kernel[(grid_size,)](

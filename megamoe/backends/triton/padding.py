@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megamoe.backends.triton.grid import cdiv, next_power_of_2
+
 
 @triton.jit
 def _zero_rows(out_ptr, rows, mask_r, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -42,7 +44,7 @@ def zero_padding_rows(expert_start_G1: Tensor, a_RN: Tensor, b_RM: Tensor | None
     if R == 0:
         return
     block_r = 32
-    _zero_padding_rows_kernel[(triton.cdiv(R, block_r),)](
+    _zero_padding_rows_kernel[(cdiv(R, block_r),)](
         a_RN, a_RN if b_RM is None else b_RM, expert_start_G1[-1:], R, N, M, BLOCK_R=block_r,
-        BLOCK_N=min(triton.next_power_of_2(max(N, M)), 256),
+        BLOCK_N=min(next_power_of_2(max(N, M)), 256),
     )  # fmt: skip

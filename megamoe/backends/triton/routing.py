@@ -34,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megamoe.backends.opaque import opaque_op
+from megamoe.backends.triton.grid import cdiv, next_power_of_2
 
 ONE_PROGRAM_CELLS = 1 << 16
 """slots x bins up to which one program builds the whole plan (four launches become one: at small T the
@@ -48,7 +49,7 @@ docs/kernels.md#measurements-that-chose-the-design)."""
 def tile_table_rows(rows: int, experts: int, block_m: int) -> int:
     """Rows of a tile table over ``rows`` expert-sorted rows: one per BLOCK_M rows, plus one per expert
     for its partial last tile."""
-    return triton.cdiv(rows, block_m) + experts
+    return cdiv(rows, block_m) + experts
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +105,7 @@ def pick_rows(values_S: Tensor, row_slot_R: Tensor, expert_start_G1: Tensor) -> 
     of torch ops, since at small T the host's time per launch is the layer's time."""
     out = torch.empty_like(values_S)
     if out.numel():
-        grid = (triton.cdiv(out.numel(), _PICK_BLOCK),)
+        grid = (cdiv(out.numel(), _PICK_BLOCK),)
         _pick_rows_kernel[grid](
             values_S, row_slot_R, expert_start_G1[-1:], out, out.numel(), BLOCK=_PICK_BLOCK
         )
@@ -121,7 +122,7 @@ def pick_slots(values_R: Tensor, slot_row_S: Tensor) -> Tensor:
     """``out[s] = values_R[slot_row_S[s]]``, 0 where the slot was dropped (``slot_row_S[s] = -1``)."""
     out = values_R.new_empty(slot_row_S.shape)
     if out.numel():
-        grid = (triton.cdiv(out.numel(), _PICK_BLOCK),)
+        grid = (cdiv(out.numel(), _PICK_BLOCK),)
         _pick_slots_kernel[grid](values_R, slot_row_S, out, out.numel(), BLOCK=_PICK_BLOCK)
     return out
 
@@ -342,9 +343,9 @@ def build_routing_plan(
     S, G = T * K, num_experts
     device = topk_idx_TK.device
     interpret = device.type != "cuda"
-    bins = triton.next_power_of_2(G + 2)  # the experts, dropped slots, invalid ids
+    bins = next_power_of_2(G + 2)  # the experts, dropped slots, invalid ids
     block_s = 16 if interpret else max(16, min(1024, 16384 // bins))
-    num_blocks = triton.cdiv(S, block_s)
+    num_blocks = cdiv(S, block_s)
     warps = 1 if interpret else 8
     max_tiles = tile_table_rows(S, G, block_m)
     idx_S = topk_idx_TK.reshape(-1)

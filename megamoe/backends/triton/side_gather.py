@@ -40,6 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megamoe.backends.triton.configs import num_programs
+from megamoe.backends.triton.grid import cdiv
 
 try:  # Gluon (triton.experimental.gluon) with Hopper's TMA ops; older Triton builds use the kernel below
     from megamoe.backends.triton import tma_rows
@@ -103,7 +104,7 @@ def gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor) -> None:
     if R == 0 or H == 0:
         return
     if tma_rows is not None and tma_rows.supported(src_TH, out_RH):
-        grid = min(num_programs(src_TH.device), triton.cdiv(R, tma_rows.ROWS))
+        grid = min(num_programs(src_TH.device), cdiv(R, tma_rows.ROWS))
         tma_rows.tma_gather_rows(src_TH, index_R, out_RH, _zeroed_counter(src_TH.device), grid)
     else:
         register_gather_rows(src_TH, index_R, out_RH)
@@ -113,7 +114,7 @@ def register_gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor) -> Non
     """:func:`gather_rows` by :func:`_gather_rows_kernel`, the copy through registers, on any device (rows
     and columns not empty)."""
     R, H = out_RH.shape
-    grid = min(num_programs(src_TH.device), triton.cdiv(R, BLOCK_R))
+    grid = min(num_programs(src_TH.device), cdiv(R, BLOCK_R))
     _gather_rows_kernel[(grid,)](
         src_TH, index_R, out_RH, _zeroed_counter(src_TH.device), R, H, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H,
         num_warps=NUM_WARPS,

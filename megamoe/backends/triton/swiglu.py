@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megamoe.backends.triton.grid import cdiv, next_power_of_2
+
 
 @triton.jit
 def swiglu_tile(gate, up):
@@ -100,7 +102,7 @@ def _swiglu_backward_kernel(
 
 
 def _blocks(I: int, interpret: bool) -> tuple[int, int]:
-    block_i = min(triton.next_power_of_2(I), 16 if interpret else 256)
+    block_i = min(next_power_of_2(I), 16 if interpret else 256)
     return (4 if interpret else max(1, 4096 // block_i)), block_i
 
 
@@ -108,7 +110,7 @@ def swiglu_forward(h_R2I: Tensor, a_RI: Tensor, valid_rows_1: Tensor) -> None:
     """Write ``a = silu(gate) * up`` for the valid rows (padding rows of ``a`` are left untouched)."""
     R, I = a_RI.shape
     block_r, block_i = _blocks(I, h_R2I.device.type != "cuda")
-    _swiglu_forward_kernel[(triton.cdiv(R, block_r), triton.cdiv(I, block_i))](
+    _swiglu_forward_kernel[(cdiv(R, block_r), cdiv(I, block_i))](
         h_R2I, a_RI, valid_rows_1, I, BLOCK_R=block_r, BLOCK_I=block_i
     )
 
@@ -126,7 +128,7 @@ def swiglu_backward(
     R, I = da_RI.shape
     block_r, block_i = _blocks(I, h_R2I.device.type != "cuda")
     block_r = min(block_r, 16) if h_R2I.device.type == "cuda" else block_r
-    _swiglu_backward_kernel[(triton.cdiv(R, block_r),)](
+    _swiglu_backward_kernel[(cdiv(R, block_r),)](
         h_R2I,
         da_RI,
         weight_R,

@@ -29,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megamoe.backends.triton.configs import TileConfig
+from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton.routing import RoutingPlan
 
 
@@ -119,7 +120,7 @@ def grouped_wgrad(
     bm, bn = config.block_m, config.block_n
     if p_RM.is_cuda:
         triton.set_allocator(_alloc_scratch)
-    per_expert = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    per_expert = cdiv(M, bm) * cdiv(N, bn)
     grid_size = min(num_sms, G * per_expert)
     _wgrad_kernel[(grid_size,)](
         p_RM.contiguous(),

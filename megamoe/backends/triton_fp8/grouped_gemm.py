@@ -29,6 +29,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
+from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton_fp8.fp8_math import TILE
 from megamoe.backends.triton_mx.mx_math import swizzle
@@ -141,7 +142,7 @@ def fp8_grouped_gemm(
         raise ValueError(f"K={K}: must be a multiple of 16 (E4M3 rows by TMA)")
     b_desc = TensorDescriptor.from_tensor(b.data, [1, bn, bk])
     a_desc = TensorDescriptor.from_tensor(a.data, [bm, bk]) if a_rows is None else None
-    grid_size = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * triton.cdiv(N, bn)))
+    grid_size = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * cdiv(N, bn)))
     _fp8_grouped_gemm_kernel[(grid_size,)](
         a.data,
         a_desc,

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megamoe.backends.triton.grid import cdiv, next_power_of_2
 from megamoe.backends.triton_fp8.fp8_math import (
     TILE,
     quantize_along_cols,
@@ -100,7 +101,7 @@ def row_block(cols: int, device: torch.device) -> tuple[int, int]:
     """``(rows, 128-column tiles)`` one program of a rowwise pass over ``cols`` columns handles."""
     if device.type != "cuda":
         return 8, 1
-    tiles = min(triton.next_power_of_2(-(-cols // TILE)), 2)
+    tiles = min(next_power_of_2(-(-cols // TILE)), 2)
     return max(1, 4096 // (tiles * TILE)), tiles
 
 
@@ -113,7 +114,7 @@ def quantize_rows(src_RX: Tensor, *, valid_rows_1: Tensor | None = None) -> FP8T
     if R == 0 or X == 0:
         return out
     block_r, tiles = row_block(X, src_RX.device)
-    _quantize_rows_kernel[(triton.cdiv(R, block_r), triton.cdiv(X, tiles * TILE))](
+    _quantize_rows_kernel[(cdiv(R, block_r), cdiv(X, tiles * TILE))](
         src_RX,
         out.data.view(torch.uint8),
         out.scale,
@@ -207,8 +208,8 @@ def quantize_segments(
     if num_blocks == 0 or X == 0 or G == 0:
         return out
     cuda = src_RX.device.type == "cuda"
-    block_x = min(triton.next_power_of_2(X), 32 if cuda else 16)  # [128, 32] fp32: no spills
-    _quantize_segments_kernel[(num_blocks, triton.cdiv(X, block_x))](
+    block_x = min(next_power_of_2(X), 32 if cuda else 16)  # [128, 32] fp32: no spills
+    _quantize_segments_kernel[(num_blocks, cdiv(X, block_x))](
         src_RX,
         index_R,
         row_start_G1,
@@ -222,7 +223,7 @@ def quantize_segments(
         out.scale.stride(0),
         out.scale.stride(1),
         HAS_INDEX=index_R is not None,
-        BINS=triton.next_power_of_2(G),
+        BINS=next_power_of_2(G),
         BLOCK_X=block_x,
         num_warps=4 if cuda else 1,
     )
@@ -281,7 +282,7 @@ def _quantize_blocks(source: Tensor, out: FP8Tensor, out_t: FP8Tensor | None) ->
     G, Y, X = source.shape
     if source.numel() == 0:
         return
-    _quantize_blocks_kernel[(G, triton.cdiv(Y, TILE), triton.cdiv(X, TILE))](
+    _quantize_blocks_kernel[(G, cdiv(Y, TILE), cdiv(X, TILE))](
         source,
         out.data.view(torch.uint8),
         out.scale,

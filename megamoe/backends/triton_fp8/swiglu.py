@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megamoe.backends.triton.grid import cdiv, next_power_of_2
 from megamoe.backends.triton.swiglu import swiglu_backward_tile, swiglu_tile
 from megamoe.backends.triton_fp8.fp8_math import TILE, quantize_along_cols, quantize_along_rows
 from megamoe.backends.triton_fp8.quantize import empty_rows, empty_segments, row_block
@@ -111,7 +112,7 @@ def swiglu_quant(h_R2I: Tensor, valid_rows_1: Tensor) -> FP8Tensor:
     if R == 0 or I == 0:
         return out
     block_r, tiles = row_block(I, h_R2I.device)
-    _swiglu_quant_kernel[(triton.cdiv(R, block_r), triton.cdiv(I, tiles * TILE))](
+    _swiglu_quant_kernel[(cdiv(R, block_r), cdiv(I, tiles * TILE))](
         h_R2I,
         out.data.view(torch.uint8),
         out.scale,
@@ -159,8 +160,8 @@ def swiglu_backward_quant(
         aw.data.stride(0),
         aw.scale.stride(0),
         aw.scale.stride(1),
-        BINS=triton.next_power_of_2(G),
-        BLOCK_I=min(triton.next_power_of_2(I), 32 if cuda else 16),
+        BINS=next_power_of_2(G),
+        BLOCK_I=min(next_power_of_2(I), 32 if cuda else 16),
         num_warps=8 if cuda else 1,
     )
     return aw

@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
+from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton_fp8.fp8_math import TILE
 from megamoe.backends.triton_mx.mx_math import swizzle
@@ -347,7 +348,7 @@ def wgmma_fp8_grouped_gemm(
     b_layout = gl.NVMMASharedLayout.get_default_for([bn, TILE], gl.float8e4nv)
     a_desc = TensorDescriptor.from_tensor(a.data, [TILE, TILE], a_layout)
     b_desc = TensorDescriptor.from_tensor(b.data.view(G * N, K), [bn, TILE], b_layout)  # expert g at row g N
-    grid = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * triton.cdiv(N, bn)))
+    grid = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * cdiv(N, bn)))
     _wgmma_fp8_gemm_kernel[(grid,)](
         a_desc, b_desc, a.scale, b.scale, out, plan.tiles_X3, plan.num_tiles_1, N, K, a.scale.stride(0),
         a.scale.stride(1), b.scale.stride(0), b.scale.stride(1), b.scale.stride(2), out.stride(0), grid,

@@ -29,7 +29,6 @@ element in block order, no split-K, no atomics: the same bits on every run.
 
 from __future__ import annotations
 
-import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -38,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
+from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton_fp8.fp8_math import TILE
 from megamoe.backends.triton_fp8.wgmma_gemm import invalidate_ring, ring_barriers
 from megamoe.backends.triton_fp8.wgrad import check_operands
@@ -224,7 +224,7 @@ def wgmma_fp8_wgrad(
     q_layout = gl.NVMMASharedLayout.get_default_for([bn, TILE], gl.float8e4nv)
     p_desc = TensorDescriptor.from_tensor(p.data, [TILE, TILE], p_layout)
     q_desc = TensorDescriptor.from_tensor(q.data, [bn, TILE], q_layout)
-    grid = max(1, min(num_sms * config.programs_per_sm, G * triton.cdiv(M, TILE) * triton.cdiv(N, bn)))
+    grid = max(1, min(num_sms * config.programs_per_sm, G * cdiv(M, TILE) * cdiv(N, bn)))
     _wgmma_fp8_wgrad_kernel[(grid,)](
         p_desc, q_desc, p.scale, q.scale, out_GMN, block_start_G1, G, M, N, p.scale.stride(0), p.scale.stride(1),
         q.scale.stride(0), q.scale.stride(1), grid, BLOCK_N=bn, GROUP_M=config.group_m, STAGES=config.num_stages,

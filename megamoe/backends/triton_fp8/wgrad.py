@@ -24,6 +24,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
+from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton_fp8.fp8_math import TILE
 from megamoe.backends.triton_mx.mx_math import swizzle
 from megamoe.quant.fp8 import FP8Tensor
@@ -110,7 +111,7 @@ def fp8_wgrad(
     bm, bn = config.block_m, config.block_n
     p_desc = TensorDescriptor.from_tensor(p.data, [bm, TILE])
     q_desc = TensorDescriptor.from_tensor(q.data, [bn, TILE])
-    grid_size = min(num_sms * config.programs_per_sm, G * triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    grid_size = min(num_sms * config.programs_per_sm, G * cdiv(M, bm) * cdiv(N, bn))
     _fp8_wgrad_kernel[(grid_size,)](
         p_desc,
         q_desc,

@@ -45,6 +45,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
+from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton.peers import peer_ptr
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton_mx.mx_math import scale_column, scale_tile, swizzle
@@ -229,7 +230,7 @@ def mx_grouped_gemm(
         raise ValueError("scales: expected ceil(K / 32) codes per row")
     b_desc = TensorDescriptor.from_tensor(b.data, [1, bn, BLOCK])
     a_desc = TensorDescriptor.from_tensor(a.data, [bm, BLOCK]) if a_rows is None else None
-    grid_size = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * triton.cdiv(N, bn)))
+    grid_size = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * cdiv(N, bn)))
     r = remote
     c = out if r is None else r.combine
     _mx_grouped_gemm_kernel[(grid_size,)](

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megamoe.backends.triton.grid import cdiv, next_power_of_2
 from megamoe.backends.triton_mx.mx_math import quantize_along_cols
 from megamoe.quant.mx import BLOCK, MXTensor
 
@@ -92,9 +93,9 @@ def quantize_rows(
     if R == 0 or X == 0:
         return out
     interpret = src_RX.device.type != "cuda"
-    block_x = min(triton.next_power_of_2(max(X, BLOCK)), 64 if interpret else 256)
+    block_x = min(next_power_of_2(max(X, BLOCK)), 64 if interpret else 256)
     block_r = 8 if interpret else max(1, 4096 // block_x)
-    _quantize_rows_kernel[(triton.cdiv(R, block_r), triton.cdiv(X, block_x))](
+    _quantize_rows_kernel[(cdiv(R, block_r), cdiv(X, block_x))](
         src_RX,
         out.data.view(torch.uint8),
         out.scale,

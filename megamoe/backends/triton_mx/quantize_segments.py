@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megamoe.backends.triton.grid import cdiv, next_power_of_2
 from megamoe.backends.triton_mx.mx_math import quantize_along_rows, segment_of_block
 from megamoe.quant.mx import BLOCK, MXTensor
 
@@ -112,8 +113,8 @@ def _launch(
     if num_blocks == 0 or X == 0 or G == 0:
         return
     interpret = src_RX.device.type != "cuda"
-    block_x = min(triton.next_power_of_2(X), 32 if interpret else 128)
-    _quantize_segments_kernel[(num_blocks, triton.cdiv(X, block_x))](
+    block_x = min(next_power_of_2(X), 32 if interpret else 128)
+    _quantize_segments_kernel[(num_blocks, cdiv(X, block_x))](
         src_RX,
         index_R,
         row_start_G1,
@@ -127,7 +128,7 @@ def _launch(
         HAS_INDEX=index_R is not None,
         PACKED=packed,
         WHOLE_BLOCKS=whole_blocks,
-        BINS=triton.next_power_of_2(G),
+        BINS=next_power_of_2(G),
         BLOCK_X=block_x,
         num_warps=1 if interpret else 4,
     )

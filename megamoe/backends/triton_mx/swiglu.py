@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megamoe.backends.triton.grid import cdiv, next_power_of_2
 from megamoe.backends.triton.swiglu import swiglu_backward_tile, swiglu_tile
 from megamoe.backends.triton_mx.mx_math import quantize_along_cols, quantize_along_rows, segment_of_block
 from megamoe.backends.triton_mx.quantize_rows import empty_rows_mx
@@ -110,9 +111,9 @@ def swiglu_quant(h_R2I: Tensor, valid_rows_1: Tensor) -> MXTensor:
     if R == 0 or I == 0:
         return out
     interpret = h_R2I.device.type != "cuda"
-    block_i = min(triton.next_power_of_2(max(I, BLOCK)), 64 if interpret else 256)
+    block_i = min(next_power_of_2(max(I, BLOCK)), 64 if interpret else 256)
     block_r = 8 if interpret else max(1, 4096 // block_i)
-    _swiglu_quant_kernel[(triton.cdiv(R, block_r), triton.cdiv(I, block_i))](
+    _swiglu_quant_kernel[(cdiv(R, block_r), cdiv(I, block_i))](
         h_R2I,
         out.data.view(torch.uint8),
         out.scale,
@@ -164,8 +165,8 @@ def swiglu_backward_quant(
         aw.data.stride(0),
         aw.scale.stride(0),
         aw.scale.stride(1),
-        BINS=triton.next_power_of_2(G),
-        BLOCK_I=min(triton.next_power_of_2(max(I, BLOCK)), 32 if interpret else 128),
+        BINS=next_power_of_2(G),
+        BLOCK_I=min(next_power_of_2(max(I, BLOCK)), 32 if interpret else 128),
         num_warps=1 if interpret else 4,
     )
     return aw

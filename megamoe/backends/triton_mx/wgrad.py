@@ -28,6 +28,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
+from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton_mx.mx_math import scale_column, scale_tile, swizzle
 from megamoe.quant.mx import BLOCK, MXTensor
 
@@ -117,7 +118,7 @@ def mx_wgrad(
     bm, bn = config.block_m, config.block_n
     p_desc = TensorDescriptor.from_tensor(p.data, [bm, BLOCK])
     q_desc = TensorDescriptor.from_tensor(q.data, [bn, BLOCK])
-    grid_size = min(num_sms * config.programs_per_sm, G * triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    grid_size = min(num_sms * config.programs_per_sm, G * cdiv(M, bm) * cdiv(N, bn))
     _mx_wgrad_kernel[(grid_size,)](
         p_desc,
         q_desc,
