@@ -143,6 +143,10 @@ class EPSettings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EPSettings:
         env = os.environ if environ is None else environ
+        return _ep_settings_from(tuple(env.get(var, "") for var in _EP_VARS))
+
+    @classmethod
+    def _parse_env(cls, env: Mapping[str, str]) -> EPSettings:
         transport = env.get("MEGAMOE_EP_TRANSPORT", "").strip() or None
         if transport is not None and transport not in EP_TRANSPORTS:
             raise InvalidConfigError(
@@ -152,6 +156,16 @@ class EPSettings:
                 f"Use one of {', '.join(EP_TRANSPORTS)}",
             )
         return cls(transport=transport, symm=SymmSettings.from_env(env))
+
+
+_EP_VARS = ("MEGAMOE_EP_TRANSPORT", *SYMM_ENV.values())
+
+
+@lru_cache(maxsize=16)
+def _ep_settings_from(raw: tuple[str, ...]) -> EPSettings:
+    """The settings of these raw values of :data:`_EP_VARS`, parsed once: the layer reads them on every
+    call that is given no settings (a bad value raises, and is not cached)."""
+    return EPSettings._parse_env(dict(zip(_EP_VARS, raw, strict=True)))
 
 
 def _bad(name: str, value: object, problem: str, remedy: str | None = None) -> None:

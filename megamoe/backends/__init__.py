@@ -15,6 +15,7 @@ runs over the NCCL transport (no symmetric-memory kernels for it yet).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -32,7 +33,7 @@ QUANTIZED = ("mxfp8", "fp8")
 
 
 def _require_triton() -> None:
-    if importlib.util.find_spec("triton") is None:
+    if not _importable("triton"):
         raise UnsupportedSettingError(
             "backend",
             "triton",
@@ -106,15 +107,20 @@ def resolve_backend_name(
         return name
     if precision in QUANTIZED:
         cuda = device.type == "cuda" and dtype == torch.bfloat16 and torch.version.hip is None
-        return "triton" if cuda and importlib.util.find_spec("triton") is not None else "reference"
+        return "triton" if cuda and _importable("triton") else "reference"
     if device.type == "cuda" and dtype == torch.bfloat16:
         if torch.version.hip is not None:
-            return "primus_turbo" if importlib.util.find_spec("primus_turbo") is not None else "reference"
-        if importlib.util.find_spec("triton") is not None and importlib.util.find_spec(
-            "megamoe.backends.triton.backend"
-        ):
+            return "primus_turbo" if _importable("primus_turbo") else "reference"
+        if _importable("triton") and _importable("megamoe.backends.triton.backend"):
             return "triton"
     return "reference"
+
+
+@functools.cache
+def _importable(module: str) -> bool:
+    """Whether ``module`` can be imported, looked up once: the layer resolves ``auto`` on every call, and
+    a module search costs more host time than some of its kernels take on the GPU."""
+    return importlib.util.find_spec(module) is not None
 
 
 def transport_name(

@@ -24,7 +24,8 @@ SwiGLU is computed in fp32 from the gate/up values rounded to C's dtype, by the 
 separate pass (``swiglu.swiglu_tile``), so ``act`` has the bits that pass would give from ``C``.
 
 Rows past a tile's segment end are never stored (they belong to the next expert's tile), so no
-expert is padded in memory. B is read through a rank-3 TMA descriptor ``[G, N, K]`` whose bounds
+expert is padded in memory. With the SwiGLU epilogue the programs, once out of tiles, also zero the
+rows past the routed ones (dropped slots) in ``h`` and ``act``: no separate launch for them. B is read through a rank-3 TMA descriptor ``[G, N, K]`` whose bounds
 zero-fill ragged K and N. The row gather (A_MODE 1, GEMM1's fused dispatch) measured faster than TMA loads
 of a pre-gathered copy (docs/kernels.md#measurements-that-chose-the-design), so the forward never
 materialises the dispatched ``x``.
@@ -39,6 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.grid import cdiv
+from megamoe.backends.triton.padding import zero_rows
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton.swiglu import swiglu_tile
 
@@ -143,7 +145,9 @@ def _grouped_gemm_kernel(
     act_ptr,
     tiles_ptr,
     num_tiles_ptr,
+    valid_rows_ptr,
     # sizes and strides
+    R,
     N,
     K,
     stride_a,
@@ -203,6 +207,12 @@ def _grouped_gemm_kernel(
             )
         else:
             _store_tile(acc.to(c_ptr.dtype.element_ty), c_ptr, r0, r_end, n0, N, stride_c, BLOCK_M, BLOCK_N)
+    if SWIGLU:
+        # rows past the routed ones (dropped slots) are no tile's: zeros in h and act, shared by all programs
+        for p0 in range(tl.load(valid_rows_ptr) + tl.program_id(0) * BLOCK_M, R, num_programs * BLOCK_M):
+            rows = p0 + tl.arange(0, BLOCK_M)
+            zero_rows(c_ptr, rows, rows < R, N, BLOCK_M, BLOCK_N)
+            zero_rows(act_ptr, rows, rows < R, inter, BLOCK_M, HALF)
 
 
 def grouped_gemm(
@@ -222,13 +232,16 @@ def grouped_gemm(
 
     ``b_GNK`` is ``[G, N, K]`` (``b_kn=False``) or ``[G, K, N]`` (``b_kn=True``), contiguous.
     ``a`` is ``[R, K]`` expert-sorted (``a_mode=0``) or ``[T, K]`` gathered through ``a_rows`` (``a_mode=1``).
-    ``act [R, N/2]`` (GEMM1 only, ``b_kn=False``): also write ``silu(out[:, :N/2]) * out[:, N/2:]`` there.
+    ``act [R, N/2]`` (GEMM1 only, ``b_kn=False``): also write ``silu(out[:, :N/2]) * out[:, N/2:]`` there,
+    and zero the padding rows (past the plan's routed rows) of both, contiguous, in the same launch.
     ``config``: the tile shape and launch options.
     """
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if bm != plan.block_m:
         raise ValueError(f"BLOCK_M={bm} must equal the plan's block_m={plan.block_m}")
     if act is not None:
+        if not (out.is_contiguous() and act.is_contiguous()):
+            raise ValueError("the SwiGLU epilogue zeroes padding rows of a contiguous out and act")
         if b_kn:
             raise ValueError("the SwiGLU epilogue (act given) needs b_kn=False: B is W1 [G, 2I, K]")
         G, N, K = b_GNK.shape
@@ -257,6 +270,8 @@ def grouped_gemm(
         act,
         plan.tiles_X3,
         plan.num_tiles_1,
+        plan.expert_start_G1[-1:],
+        out.shape[0],
         N,
         K,
         a.stride(0),

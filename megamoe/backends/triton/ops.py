@@ -20,7 +20,6 @@ from megamoe.backends.opaque import opaque_op
 from megamoe.backends.triton.combine import combine
 from megamoe.backends.triton.configs import gemm_config, num_programs, wgrad_config
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
-from megamoe.backends.triton.padding import zero_padding_rows
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton.side_gather import RowGather
 from megamoe.backends.triton.swiglu import swiglu_backward, swiglu_forward
@@ -84,7 +83,6 @@ def gemm1_forward(
             a_rows=row_token_R,
             act=act,
         )
-        zero_padding_rows(expert_start_G1, h, act)
     return h, act
 
 

@@ -2,7 +2,8 @@
 
 The plan has static shapes (R = T*K rows) so that nothing syncs with the host; dropped slots sort to
 the end and no GEMM tile covers them. This kernel gives those rows defined values (zeros) at the cost
-of one launch (for up to two buffers of the same rows) that exits at once when nothing was dropped.
+of one launch (for up to two buffers of the same rows) that exits at once when nothing was dropped; the
+bf16 GEMM1 zeroes its outputs' padding rows in its own programs instead (:func:`zero_rows`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from megamoe.backends.triton.grid import cdiv, next_power_of_2
 
 
 @triton.jit
-def _zero_rows(out_ptr, rows, mask_r, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+def zero_rows(out_ptr, rows, mask_r, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Zero the rows ``rows`` (where ``mask_r``) of the contiguous ``[*, N]`` buffer at ``out_ptr``."""
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         ptrs = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
@@ -32,8 +34,8 @@ def _zero_padding_rows_kernel(
     if r0 + BLOCK_R > valid:
         rows = r0 + tl.arange(0, BLOCK_R)
         mask_r = (rows >= valid) & (rows < R)
-        _zero_rows(a_ptr, rows, mask_r, NA, BLOCK_R, BLOCK_N)
-        _zero_rows(b_ptr, rows, mask_r, NB, BLOCK_R, BLOCK_N)
+        zero_rows(a_ptr, rows, mask_r, NA, BLOCK_R, BLOCK_N)
+        zero_rows(b_ptr, rows, mask_r, NB, BLOCK_R, BLOCK_N)
 
 
 def zero_padding_rows(expert_start_G1: Tensor, a_RN: Tensor, b_RM: Tensor | None = None) -> None:

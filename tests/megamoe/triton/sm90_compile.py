@@ -184,7 +184,7 @@ def _gemm(op: str, *, a_mode: int, b_kn: bool, swiglu: bool, N: int, K: int) -> 
     args = dict(
         a_ptr="*bf16", a_desc=f"tensordesc<bf16[{bm},{bk}]>" if a_mode == 0 else None,
         a_rows_ptr="*i32" if a_mode == 1 else None, b_desc=f"tensordesc<bf16{b_box}>", c_ptr="*bf16",
-        act_ptr="*bf16" if swiglu else None, tiles_ptr="*i32", num_tiles_ptr="*i32", N=N, K=K, stride_a=K,
+        act_ptr="*bf16" if swiglu else None, tiles_ptr="*i32", num_tiles_ptr="*i32", valid_rows_ptr="*i32", R=R, N=N, K=K, stride_a=K,
         stride_c=N, stride_act=N // 2 if swiglu else 0, num_programs=NUM_SMS, A_MODE=a_mode, B_KN=b_kn,
         SWIGLU=swiglu, **config_constexprs(_grouped_gemm_kernel, cfg),
     )  # fmt: skip

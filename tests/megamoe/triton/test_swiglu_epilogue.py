@@ -76,7 +76,8 @@ def _assert_bitwise(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
 @pytest.mark.parametrize(("case", "dtype", "block_n"), KERNEL_CASES)
 def test_gemm1_swiglu_epilogue_equals_gemm1_then_swiglu_pass_bitwise(case, dtype, block_n) -> None:
     """GEMM1 with the SwiGLU epilogue against the same kernel without it followed by the SwiGLU pass; the
-    full tiles and ragged last tiles of each expert both occur."""
+    full tiles and ragged last tiles of each expert both occur. The epilogue's launch also zeroes the
+    padding rows of both outputs."""
     x, idx, _, w1, _, _ = _case(*case, dtype=dtype)
     T, K, I = x.shape[0], idx.shape[1], w1.shape[1] // 2
     r = TritonBackend(LocalTransport()).make_plan(idx, num_experts=w1.shape[0], group=None).routing
@@ -113,6 +114,9 @@ def test_gemm1_swiglu_epilogue_equals_gemm1_then_swiglu_pass_bitwise(case, dtype
     else:
         _assert_bitwise(h[:valid], h_old[:valid], "h")
     _assert_bitwise(act[:valid], act_old[:valid], "act")
+    # the padding rows (dropped slots) are zeroed by the same launch: they started as NaN
+    assert torch.equal(h[valid:], torch.zeros_like(h[valid:])), "h's padding rows"
+    assert torch.equal(act[valid:], torch.zeros_like(act[valid:])), "act's padding rows"
 
 
 @pytest.mark.parametrize(
