@@ -332,21 +332,6 @@ def _scatter_kernel(
     _store_rows(slots, key, _onehot(key, BINS), base, row_slot_ptr, row_token_ptr, slot_row_ptr, S, G, K)
 
 
-_TABLE_ALIGN = 32
-"""int32 elements (128 bytes) each table of :func:`_int32_tables` starts on: the kernels see aligned
-pointers, as from separate allocations."""
-
-
-def _int32_tables(sizes: tuple[int, ...], device: torch.device) -> list[Tensor]:
-    """Uninitialised int32 tables of ``sizes`` carved from one allocation: at small T each allocation
-    costs as much host time as a kernel takes on the GPU."""
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + cdiv(n, _TABLE_ALIGN) * _TABLE_ALIGN)
-    buffer = torch.empty(starts[-1], dtype=torch.int32, device=device)
-    return [buffer[start : start + n] for start, n in zip(starts[:-1], sizes, strict=True)]
-
-
 def build_routing_plan(
     topk_idx_TK: Tensor, *, num_experts: int, block_m: int, check_ids: bool = False
 ) -> RoutingPlan:
@@ -364,10 +349,13 @@ def build_routing_plan(
     warps = 1 if interpret else 8
     max_tiles = tile_table_rows(S, G, block_m)
     idx_S = topk_idx_TK.reshape(-1)
-    row_slot_R, row_token_R, slot_row_S, expert_start_G1, tiles, num_tiles_1, ids_ok_1 = _int32_tables(
-        (S, S, S, G + 1, 3 * max_tiles, 1, 1), device
-    )
-    tiles_X3 = tiles.view(max_tiles, 3)
+    row_slot_R = torch.empty(S, dtype=torch.int32, device=device)
+    row_token_R = torch.empty(S, dtype=torch.int32, device=device)
+    slot_row_S = torch.empty(S, dtype=torch.int32, device=device)
+    expert_start_G1 = torch.empty(G + 1, dtype=torch.int32, device=device)
+    tiles_X3 = torch.empty(max_tiles, 3, dtype=torch.int32, device=device)
+    num_tiles_1 = torch.empty(1, dtype=torch.int32, device=device)
+    ids_ok_1 = torch.empty(1, dtype=torch.int32, device=device)
     chunk = 16 if interpret else max(16, min(256, 8192 // bins))  # [chunk, bins] tiles of 8K: no spills
     tables = (expert_start_G1, tiles_X3, num_tiles_1, ids_ok_1)
     if S * bins <= ONE_PROGRAM_CELLS:
