@@ -81,3 +81,20 @@ def test_ep_transport_defaults_per_device_and_rejects_unknown_values() -> None:
     assert EPSettings.from_env({"MEGAMOE_EP_TRANSPORT": "nccl"}).transport_for("cuda") == "nccl"
     with pytest.raises(InvalidConfigError, match=r"MEGAMOE_EP_TRANSPORT='nvshmem'.*Use one of symm, nccl"):
         EPSettings.from_env({"MEGAMOE_EP_TRANSPORT": "nvshmem"})
+
+
+def test_ep_settings_follow_the_environment_from_call_to_call(monkeypatch) -> None:
+    """The layer reads the variables on every call given no settings; equal values reuse one parsed
+    object, a change is seen at the next call, and a bad value raises every time (never cached)."""
+    monkeypatch.delenv("MEGAMOE_EP_TRANSPORT", raising=False)
+    monkeypatch.setenv("MEGAMOE_SYMM_DISPATCH", "pull")
+    first = EPSettings.from_env()
+    assert first.transport is None and first.symm.dispatch == "pull"
+    assert EPSettings.from_env() is first
+    monkeypatch.setenv("MEGAMOE_EP_TRANSPORT", "nccl")
+    assert EPSettings.from_env() == EPSettings(transport="nccl", symm=SymmSettings(dispatch="pull"))
+    monkeypatch.setenv("MEGAMOE_SYMM_DISPATCH", "scatter")
+    for _ in range(2):
+        with pytest.raises(InvalidConfigError, match="MEGAMOE_SYMM_DISPATCH"):
+            EPSettings.from_env()
+    assert EPSettings.from_env({"MEGAMOE_EP_TRANSPORT": "symm"}).transport == "symm"
