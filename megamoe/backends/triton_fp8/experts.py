@@ -184,7 +184,7 @@ class FP8Experts:
         r = plan.routing
         R, inter = h_R2I.shape[0], h_R2I.shape[1] // 2
         dh = h_R2I.new_empty(R, 2 * inter)
-        d_weights = torch.zeros(R, dtype=torch.float32, device=h_R2I.device)
+        d_weights = torch.empty(R, dtype=torch.float32, device=h_R2I.device)
         dw2 = torch.empty_like(w2_GHI) if need_dw2 else None
         if R:
             da = torch.empty(R, inter, dtype=torch.float32, device=h_R2I.device)
@@ -194,7 +194,6 @@ class FP8Experts:
             aw = swiglu_backward_quant(
                 h_R2I, da, weights_R, dh, d_weights, r.expert_start_G1, plan.block_start_G1, plan.num_blocks
             )
-            zero_padding_rows(r.expert_start_G1, dh)
             if need_dw2:
                 self._wgrad(self._along_r(dy_rows, plan, a_rows), aw, dw2, plan)
         elif dw2 is not None:

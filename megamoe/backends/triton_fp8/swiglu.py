@@ -13,7 +13,8 @@ Quantising from the fp32 values in registers is what the emulation does (it neve
 ``w a`` to bf16 first), and saves a write and a read of ``[R, I]``. The backward walks 128-row blocks
 of each expert (the wgrad's tiles), so one program owns a whole block: it reads ``h`` and ``da`` once
 and writes all three outputs. The forward's padding rows are left unwritten (no GEMM tile reads
-them); the backward's ``dh`` and ``d_w`` padding rows are the caller's to zero.
+them); the backward's programs also zero the padding rows of ``dh`` and ``d_w`` (128 a program), which
+are gradients a caller sees: no memset or zeroing launch beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megamoe.backends.triton.grid import cdiv, next_power_of_2
+from megamoe.backends.triton.padding import zero_rows
 from megamoe.backends.triton.swiglu import swiglu_backward_tile, swiglu_tile
 from megamoe.backends.triton_fp8.fp8_math import TILE, quantize_along_cols, quantize_along_rows
 from megamoe.backends.triton_fp8.quantize import empty_rows, empty_segments, row_block
@@ -68,6 +70,7 @@ def _swiglu_backward_kernel(
     aw_scale_ptr,
     row_start_ptr,
     block_start_ptr,
+    R,
     G,
     I,
     stride_aw,
@@ -103,6 +106,13 @@ def _swiglu_backward_kernel(
             scale_ptrs = aw_scale_ptr + cols.to(tl.int64) * stride_aw_scale_x + block * stride_aw_scale_b
             tl.store(scale_ptrs, scales, mask=col_ok)
         tl.store(d_weight_ptr + rows, dot, mask=live)
+    # padding rows (dropped slots): program b zeroes [valid + 128 b, valid + 128 (b + 1)); the grid has
+    # at least ceil(R / 128) programs
+    pad0 = tl.load(row_start_ptr + G) + block * 128
+    if pad0 < R:
+        pad = pad0 + tl.arange(0, 128)
+        zero_rows(dh_ptr, pad, pad < R, 2 * I, 128, BLOCK_I)
+        tl.store(d_weight_ptr + pad, tl.zeros((128,), dtype=d_weight_ptr.dtype.element_ty), mask=pad < R)
 
 
 def swiglu_quant(h_R2I: Tensor, valid_rows_1: Tensor) -> FP8Tensor:
@@ -137,13 +147,18 @@ def swiglu_backward_quant(
     block_start_G1: Tensor,
     num_blocks: int,
 ) -> FP8Tensor:
-    """Write ``dh`` and ``d_weight`` (fp32) on the routed rows; return ``t(w a)`` along R, packed
-    ``[I, 128 num_blocks]`` like :func:`~megamoe.backends.triton_fp8.quantize.quantize_segments`."""
+    """Write ``dh`` (contiguous) and ``d_weight`` (fp32): the routed rows' values, zeros on the padding
+    rows; return ``t(w a)`` along R, packed ``[I, 128 num_blocks]`` like
+    :func:`~megamoe.backends.triton_fp8.quantize.quantize_segments`."""
     R, I = da_RI.shape
     G = row_start_G1.shape[0] - 1
     aw = empty_segments(I, num_blocks, h_R2I.device)
+    if I == 0 or G == 0:
+        d_weight_R.zero_()
     if R == 0 or I == 0 or G == 0 or num_blocks == 0:
         return aw
+    if not dh_R2I.is_contiguous():
+        raise ValueError("dh must be contiguous: the kernel zeroes its padding rows as [R, 2I]")
     cuda = h_R2I.device.type == "cuda"
     _swiglu_backward_kernel[(num_blocks,)](
         h_R2I,
@@ -155,6 +170,7 @@ def swiglu_backward_quant(
         aw.scale,
         row_start_G1,
         block_start_G1,
+        R,
         G,
         I,
         aw.data.stride(0),

@@ -137,7 +137,7 @@ def _swiglu() -> dict:
     )  # fmt: skip
     backward = dict(
         h_ptr="*bf16", da_ptr="*fp32", weight_ptr="*fp32", dh_ptr="*bf16", d_weight_ptr="*fp32",
-        aw_data_ptr="*u8", aw_scale_ptr="*fp32", row_start_ptr="*i32", block_start_ptr="*i32", G=G, I=I,
+        aw_data_ptr="*u8", aw_scale_ptr="*fp32", row_start_ptr="*i32", block_start_ptr="*i32", R=R, G=G, I=I,
         stride_aw=NUM_BLOCKS * TILE, stride_aw_scale_x=1, stride_aw_scale_b=I, BINS=BINS, BLOCK_I=32,
     )  # fmt: skip
     return {
