@@ -1,9 +1,13 @@
-"""Kernel timeline of one forward + backward of the one-GPU Triton layer (torch.profiler).
+"""Kernel timeline of one forward + backward of the one-GPU Triton layer, or of a peer's (torch.profiler).
 
 Shows where the layer's time goes and which kernels overlap, e.g. the wgrads' row gathers on their
 side stream beside the dgrad GEMMs::
 
     python -m benchmarks.profile_layer --model DeepSeek-V3 [--routing uniform] [--precision bf16]
+    python -m benchmarks.profile_layer --model Qwen3-235B-A22B --impl sonic   # SonicMoE, same inputs
+
+``--impl`` picks whose expert path runs on the same inputs: ``megamoe`` (ours), ``torch`` (the bench's
+torch pipeline) or ``sonic`` (SonicMoE, :mod:`benchmarks.sonic`; warm-up steps tune its GEMMs).
 
 A quantised precision's step starts an optimizer step (the weights quantised once in it, as in training
 without gradient accumulation). Prints one markdown row per kernel or copy: name, stream, start (ms from the first event) and
@@ -15,10 +19,13 @@ from __future__ import annotations
 import click
 import torch
 
+from benchmarks.bench import BASELINES
 from benchmarks.common import MODELS, make_routing
 
+IMPLS = ("megamoe", *BASELINES)
 
-def _layer_step(model: str, routing: str, precision: str):
+
+def _layer_step(model: str, routing: str, precision: str, impl: str):
     from megamoe import advance_weight_generation, fused_mega_moe
 
     shape = MODELS[model]
@@ -32,11 +39,15 @@ def _layer_step(model: str, routing: str, precision: str):
     tw = tw.bfloat16().requires_grad_()
     dy = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=gen)
 
-    def step() -> None:
+    def ours():
         if precision != "bf16":
             advance_weight_generation()  # an optimizer step: the weights quantised once in the step
-        y = fused_mega_moe(x, idx, tw, w1, w2, backend="triton", precision=precision)
-        torch.autograd.grad(y, [x, tw, w1, w2], dy)
+        return fused_mega_moe(x, idx, tw, w1, w2, backend="triton", precision=precision)
+
+    forward = ours if impl == "megamoe" else lambda: BASELINES[impl][1](x, idx, tw, w1, w2)
+
+    def step() -> None:
+        torch.autograd.grad(forward(), [x, tw, w1, w2], dy)
 
     return step
 
@@ -45,10 +56,15 @@ def _layer_step(model: str, routing: str, precision: str):
 @click.option("--model", type=click.Choice(sorted(MODELS)), default="DeepSeek-V3", show_default=True)
 @click.option("--routing", type=click.Choice(["uniform", "skewed"]), default="uniform", show_default=True)
 @click.option("--precision", type=click.Choice(["bf16", "mxfp8", "fp8"]), default="bf16", show_default=True)
+@click.option(
+    "--impl", type=click.Choice(IMPLS), default="megamoe", show_default=True, help="whose expert path"
+)
 @click.option("--dry-run", is_flag=True, help="print what would be profiled and exit")
-def main(model: str, routing: str, precision: str, dry_run: bool) -> None:
-    """Profile one forward + backward of the Triton layer at MODEL's per-rank shape."""
-    plan = f"{model}, {routing} routing, {precision}: 3 warm-up steps, then one profiled step"
+def main(model: str, routing: str, precision: str, impl: str, dry_run: bool) -> None:
+    """Profile one forward + backward of the Triton layer (or a peer's) at MODEL's per-rank shape."""
+    if impl != "megamoe" and precision != "bf16":
+        raise click.BadParameter(f"the peers run bf16 only, not {precision}", param_hint="--precision")
+    plan = f"{impl}, {model}, {routing} routing, {precision}: 3 warm-up steps, then one profiled step"
     if dry_run:
         click.echo(f"would profile {plan}")
         return
@@ -56,7 +72,7 @@ def main(model: str, routing: str, precision: str, dry_run: bool) -> None:
         raise click.ClickException("profile_layer needs a CUDA GPU (use --dry-run to see the plan)")
     from torch.profiler import ProfilerActivity, profile
 
-    step = _layer_step(model, routing, precision)
+    step = _layer_step(model, routing, precision, impl)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -168,7 +168,7 @@ class MegaMoEExperts(nn.Module):
             precision=self.precision,
             settings=self.ep_settings,
         )
-        return grouped_gemm_combine(h, dispatch_weights, handle, self.fc2())
+        return grouped_gemm_combine(h, dispatch_weights, handle, self.fc2(), h_is_private=True)
 
 
 class SwiGLUMLP(nn.Module):

@@ -175,14 +175,19 @@ def _with_state(handle: MegaMoEHandle, state) -> MegaMoEHandle:
 
 
 class _GroupedGemmCombine(torch.autograd.Function):
-    """``y`` from ``h`` (or from ``act``, stage 1's ``swiglu(h)``, when not empty); saves ``h`` only."""
+    """``y`` from ``h`` (or from ``act``, stage 1's ``swiglu(h)``, when not empty); saves ``h`` only.
+
+    ``h_is_private``: no one but this node reads ``h`` after the forward, so once the graph is not
+    retained the backward may write ``dh`` over it (``h`` is dead by then; its buffer would otherwise
+    stay alive beside ``dh`` and dW2's operands until the node returns)."""
 
     @staticmethod
-    def forward(ctx, h, dispatch_weights, w2, handle: MegaMoEHandle, act=None):
+    def forward(ctx, h, dispatch_weights, w2, handle: MegaMoEHandle, act=None, h_is_private=False):
         act = act if act is not None and act.numel() else None
         y = handle.backend.stage2_forward(h, dispatch_weights, w2, handle.plan, act)
         ctx.save_for_backward(h, dispatch_weights, w2)
         ctx.handle = handle
+        ctx.h_is_private = h_is_private
         return y
 
     @staticmethod
@@ -191,9 +196,18 @@ class _GroupedGemmCombine(torch.autograd.Function):
         handle: MegaMoEHandle = ctx.handle
         needs = tuple(ctx.needs_input_grad[:3])
         dh, d_dispatch_weights, dw2 = handle.backend.stage2_backward(
-            h, dispatch_weights, w2, handle.plan, dy.contiguous(), needs
-        )
-        return dh, d_dispatch_weights, dw2, None, None
+            h, dispatch_weights, w2, handle.plan, dy.contiguous(), needs,
+            overwrite_h=ctx.h_is_private and _graph_freed_after_this_backward(),
+        )  # fmt: skip
+        return dh, d_dispatch_weights, dw2, None, None, None
+
+
+def _graph_freed_after_this_backward() -> bool:
+    """True when autograd frees the saved tensors once this backward returns (no ``retain_graph``, no
+    ``create_graph``), in eager mode: then a saved input no one else reads is dead inside the backward."""
+    if torch.compiler.is_compiling():
+        return False
+    return not torch._C._autograd._get_current_graph_task_keep_graph()
 
 
 def _select_backend(
@@ -260,10 +274,15 @@ def dispatch_grouped_gemm(
     return h, dispatch_weights, handle
 
 
-def grouped_gemm_combine(h: Tensor, dispatch_weights: Tensor, handle: MegaMoEHandle, w2: Tensor) -> Tensor:
+def grouped_gemm_combine(
+    h: Tensor, dispatch_weights: Tensor, handle: MegaMoEHandle, w2: Tensor, *, h_is_private: bool = False
+) -> Tensor:
     """Stage 2: SwiGLU + GEMM2 + combine + weighted top-k reduce. Returns ``y [T, H]``.
 
     The SwiGLU is skipped when ``handle`` carries stage 1's activation of this very ``h`` (unmodified).
+    ``h_is_private=True`` promises that nothing reads ``h`` after this call (the layer's own ``h``): the
+    backward then writes ``dh`` over ``h``'s memory when the graph is not retained, one ``[R, 2I]``
+    buffer less at the backward's peak.
     """
     if h.dim() != 2 or w2.dim() != 3 or h.shape[1] != 2 * w2.shape[2]:
         raise shape_error("h", h.shape, f"[R, 2I] matching w2 {tuple(w2.shape)} = [G, H, I]")
@@ -274,7 +293,8 @@ def grouped_gemm_combine(h: Tensor, dispatch_weights: Tensor, handle: MegaMoEHan
     act = handle.act_for(h)
     # the backward keeps the handle: without act (freed after the forward) and without a second ref to h
     bare = handle if handle.act is None else replace(handle, act=None, act_of=None)
-    return _GroupedGemmCombine.apply(h, dispatch_weights, w2, bare, h.new_empty(0) if act is None else act)
+    act = h.new_empty(0) if act is None else act
+    return _GroupedGemmCombine.apply(h, dispatch_weights, w2, bare, act, h_is_private)
 
 
 def fused_mega_moe(
@@ -305,4 +325,4 @@ def fused_mega_moe(
         return impl.fused(x, topk_idx, topk_weights, w1, w2, group)
     handle = _make_handle(impl, x, topk_idx, w1, group)
     h, dispatch_weights, act, *state = _DispatchGroupedGemm.apply(x, topk_weights, w1, handle)
-    return _GroupedGemmCombine.apply(h, dispatch_weights, w2, _with_state(handle, state), act)
+    return _GroupedGemmCombine.apply(h, dispatch_weights, w2, _with_state(handle, state), act, True)

@@ -90,8 +90,12 @@ class ExpertBackend(Protocol):
         plan: Any,
         dy_TH: Tensor,
         needs_grad: tuple[bool, bool, bool],
+        overwrite_h: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """Return ``(dh_R2I, d_dispatch_weights_R, dw2_GHI)``."""
+        """Return ``(dh_R2I, d_dispatch_weights_R, dw2_GHI)``.
+
+        ``overwrite_h``: nothing reads ``h_R2I`` after this call, so ``dh`` may be written over it
+        (one ``[R, 2I]`` buffer less at the backward's peak); a backend may ignore it."""
         ...
 
 

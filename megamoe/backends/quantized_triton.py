@@ -143,6 +143,7 @@ class QuantizedTritonBackend(TransportBackend):
         plan: QuantizedPlan,
         dy_TH: Tensor,
         needs_grad: tuple[bool, bool, bool],
+        overwrite_h: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         need_dh, need_dweights, need_dw2 = needs_grad
         r = plan.rows.routing
@@ -154,6 +155,7 @@ class QuantizedTritonBackend(TransportBackend):
             plan.moved.tokens_in(dy_TH.to(h_R2I.dtype)),
             r.row_token_R,
             need_dw2,
+            overwrite_h,
         )
         return (
             dh if need_dh else None,

@@ -107,6 +107,7 @@ class ReferenceBackend(StagedBackend):
         plan: TokenExchange,
         dy_TH: Tensor,
         needs_grad: tuple[bool, bool, bool],
+        overwrite_h: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         need_dh, need_dweights, need_dw2 = needs_grad
         counts = plan.tokens_per_expert

@@ -82,6 +82,39 @@ def test_stage1_gradient_reaching_one_output_only(used):
         torch.testing.assert_close(torch.zeros_like(e) if g is None else g, e, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "mxfp8"])
+def test_backward_writes_dh_over_a_private_h_only_when_the_graph_is_freed(precision):
+    """A private ``h`` is dead inside stage 2's backward, so the Triton backends (interpreted here) write
+    ``dh`` over it, with the same gradients; a shared ``h`` or a retained graph keeps ``h`` intact."""
+    c = make_case(tokens=[13], hidden=32, inter=32, experts=3, topk=2, seed=8, dtype=torch.float32)
+    idx, dy = c["topk_idx"][0], torch.randn(13, 32, generator=torch.Generator().manual_seed(9))
+
+    def run(h_is_private: bool, retain_graph: bool):
+        leaves = [t.clone().requires_grad_() for t in (c["x"][0], c["topk_weights"][0], c["w1"], c["w2"])]
+        h, dispatch_weights, handle = dispatch_grouped_gemm(
+            leaves[0], idx, leaves[1], leaves[2], backend="triton", precision=precision
+        )
+        h.retain_grad()
+        h_before = h.detach().clone()
+        y = grouped_gemm_combine(h, dispatch_weights, handle, leaves[3], h_is_private=h_is_private)
+        y.backward(dy, retain_graph=retain_graph)
+        return y, h, h_before, leaves, [leaf.grad.clone() for leaf in leaves]
+
+    _, h, h_before, _, expected = run(h_is_private=False, retain_graph=False)
+    assert torch.equal(h, h_before)
+
+    _, h, _, _, grads = run(h_is_private=True, retain_graph=False)
+    assert torch.equal(h, h.grad)  # dh lives in h's memory (h.grad is autograd's copy of it)
+    for g, e in zip(grads, expected, strict=True):
+        assert torch.equal(g, e)
+
+    y, h, h_before, leaves, grads = run(h_is_private=True, retain_graph=True)
+    assert torch.equal(h, h_before)
+    y.backward(dy)  # the retained graph still holds the forward's h: the same gradients, accumulated
+    for leaf, g, e in zip(leaves, grads, expected, strict=True):
+        assert torch.equal(g, e) and torch.equal(leaf.grad, 2 * e)
+
+
 def test_forward_saves_no_dispatched_copy_of_x():
     """Backward recomputes the dispatched tokens: nothing of shape [R, H] may be saved for it."""
     c = make_case(tokens=[10], hidden=8, inter=6, experts=4, topk=3, seed=5, drop=0.0)  # 2I != H

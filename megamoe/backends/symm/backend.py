@@ -232,6 +232,7 @@ class SymmBackend:
         plan: SymmPlan,
         dy_TH: Tensor,
         needs_grad: tuple[bool, bool, bool],
+        overwrite_h: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         need_dh, need_dweights, need_dw2 = needs_grad
         ws, lay, s = plan.ws, plan.layout, plan.send

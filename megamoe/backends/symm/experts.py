@@ -71,6 +71,7 @@ class SymmTritonBackend(SymmStatePlans):
         plan: SymmState,
         dy_TH: Tensor,
         needs_grad: tuple[bool, bool, bool],
+        overwrite_h: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         grads = ops.stage2_backward(
             h_R2I, dispatch_weights_R, w2_GHI, dy_TH, list(plan.state), plan.group_name, plan.num_experts,

@@ -99,6 +99,7 @@ class TritonBackend(TransportBackend):
         plan: Rows,
         dy_TH: Tensor,
         needs_grad: tuple[bool, bool, bool],
+        overwrite_h: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         need_dh, need_dweights, need_dw2 = needs_grad
         dh, d_weights, dw2 = ops.gemm2_backward(
@@ -107,6 +108,7 @@ class TritonBackend(TransportBackend):
             w2_GHI.contiguous(),
             plan.tokens_in(dy_TH.to(h_R2I.dtype)),
             need_dw2,
+            overwrite_h,
             plan.routing.topk,
             *plan.routing.kernel_tables(),
         )

@@ -153,6 +153,7 @@ def gemm2_backward(
     w2_GHI: Tensor,
     dy_TH: Tensor,
     need_dw2: bool,
+    dh_over_h: bool,
     topk: int,
     block_m: int,
     row_token_R: Tensor,
@@ -166,12 +167,15 @@ def gemm2_backward(
     ``da = dy[row_token] W2`` by the grouped GEMM, ``dy`` rows gathered in its loads; one
     SwiGLU-backward pass gives ``dh``, ``w * a`` and the routing-weight gradient ``<da, a>``; then the
     K-grouped ``dW2 = dy_sorted^T (w * a)``, its TMA-fed ``dy_sorted`` gathered beside the dgrad.
+    ``dh_over_h``: ``dh`` is written over ``h`` (the SwiGLU backward reads each element before writing
+    it), so ``h`` is not alive beside the gathered ``dy`` and dW2; eager calls only, since the op itself
+    declares no mutation.
     """
     G, _, inter = w2_GHI.shape
     T = dy_TH.shape[0]
     plan = _plan(T, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1)
     R = h_R2I.shape[0]
-    dh = h_R2I.new_empty(R, 2 * inter)
+    dh = h_R2I if dh_over_h else h_R2I.new_empty(R, 2 * inter)
     d_weights = torch.empty(R, dtype=torch.float32, device=h_R2I.device)
     dw2 = w2_GHI.new_empty(0)
     if R == 0:
@@ -215,6 +219,7 @@ def _(
     w2_GHI,
     dy_TH,
     need_dw2,
+    dh_over_h,
     topk,
     block_m,
     row_token_R,

@@ -179,11 +179,13 @@ class FP8Experts:
         dy_rows: Tensor,
         a_rows: Tensor | None,
         need_dw2: bool,
+        dh_over_h: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """``(dh [R, 2I], d_weights [R] fp32, dW2 or None)`` from ``dy``'s rows; padding rows zero."""
+        """``(dh [R, 2I], d_weights [R] fp32, dW2 or None)`` from ``dy``'s rows; padding rows zero.
+        ``dh_over_h``: write ``dh`` over ``h`` (the SwiGLU backward reads each element before writing it)."""
         r = plan.routing
         R, inter = h_R2I.shape[0], h_R2I.shape[1] // 2
-        dh = h_R2I.new_empty(R, 2 * inter)
+        dh = h_R2I if dh_over_h else h_R2I.new_empty(R, 2 * inter)
         d_weights = torch.empty(R, dtype=torch.float32, device=h_R2I.device)
         dw2 = torch.empty_like(w2_GHI) if need_dw2 else None
         if R:

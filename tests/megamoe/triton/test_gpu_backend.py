@@ -260,3 +260,34 @@ def test_triton_fails_on_an_expert_id_outside_the_experts(bad: int) -> None:
     )
     assert run.returncode != 0 and "no error" not in run.stdout, run.stdout
     assert "expert ids must be in [0, 4) or -1" in run.stderr, run.stderr[-3000:]
+
+
+def test_backward_peak_is_one_h_lower_when_dh_is_written_over_a_private_h() -> None:
+    """Stage 2's backward writes ``dh`` over a private ``h``: its peak (``h``, ``dh``, the gathered
+    ``dy`` rows, ``w a`` and dW2 alive together) drops by one ``[R, 2I]`` buffer. With I large against H
+    that moment is the backward's peak either way, so the whole peak drops by ``h``'s bytes."""
+    from megamoe import dispatch_grouped_gemm, grouped_gemm_combine
+
+    shape = ModelShape(hidden=512, inter=2048, experts=8, topk=4, tokens=4096)
+    x, idx, tw, w1, w2, dy = _inputs(shape, "uniform")
+    leaves = [t.requires_grad_() for t in (x, tw, w1, w2)]
+
+    def backward_peak(h_is_private: bool) -> tuple[int, int, tuple[torch.Tensor, ...]]:
+        h, dispatch_weights, handle = dispatch_grouped_gemm(
+            leaves[0], idx, leaves[1], leaves[2], backend="triton"
+        )
+        y = grouped_gemm_combine(h, dispatch_weights, handle, leaves[3], h_is_private=h_is_private)
+        h_bytes = h.numel() * h.element_size()
+        del h, dispatch_weights, handle
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        grads = torch.autograd.grad(y, leaves, dy)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, h_bytes, grads
+
+    shared, h_bytes, expected = backward_peak(False)
+    private, _, grads = backward_peak(True)
+    assert shared - private >= 0.95 * h_bytes, (shared, private, h_bytes)
+    for g, e in zip(grads, expected, strict=True):
+        assert torch.equal(g, e)
