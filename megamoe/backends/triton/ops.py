@@ -19,6 +19,7 @@ from torch import Tensor
 from megamoe.backends.opaque import opaque_op
 from megamoe.backends.triton.combine import combine
 from megamoe.backends.triton.configs import gemm_config, num_programs, wgrad_config
+from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton.side_gather import RowGather
@@ -233,6 +234,20 @@ def _(
     return h_R2I.new_empty(R, two_i), dispatch_weights_R.new_empty(R), dw2
 
 
+GATHER_CHUNK_BYTES = 128 << 20
+"""about how many bytes of dW1's gathered ``x`` are made and read at a time (:func:`gemm1_backward`)"""
+
+
+def _column_chunks(rows: int, cols: int, element_size: int, multiple: int) -> list[tuple[int, int]]:
+    """``[start, end)`` column ranges of about ``GATHER_CHUNK_BYTES`` over ``rows`` rows, each a multiple
+    of ``multiple`` wide (the wgrad's tile width) but the last; one range where everything fits."""
+    count = max(1, cdiv(rows * cols * element_size, GATHER_CHUNK_BYTES))
+    width = max(1, cdiv(cdiv(cols, count), multiple)) * multiple
+    if cols == 0:
+        return [(0, 0)]
+    return [(start, min(start + width, cols)) for start in range(0, cols, width)]
+
+
 @opaque_op("megamoe_triton::gemm1_backward")
 def gemm1_backward(
     x_TH: Tensor,
@@ -249,8 +264,13 @@ def gemm1_backward(
     num_tiles_1: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """Return ``(dx [T, H], dW1 [G, 2I, H])``: the dgrad ``dh @ W1`` reduced over the K slots, and the
-    K-grouped ``dW1 = dh^T x_sorted`` (the dispatch of ``x`` recomputed as a transient gather that runs
-    beside the dgrad, :mod:`~megamoe.backends.triton.side_gather`)."""
+    K-grouped ``dW1 = dh^T x_sorted`` (the dispatch of ``x`` recomputed as transient gathers that run
+    beside the GEMMs, :mod:`~megamoe.backends.triton.side_gather`).
+
+    ``x_sorted [R, H]`` is gathered and used in column chunks (:func:`_column_chunks`): the first beside
+    the dgrad, each next one beside the wgrad of the one before, so at most two chunks are alive at a
+    time, not all of it beside ``dx_rows`` and dW1. Each chunk's wgrad sums every element in the same
+    row order as one wgrad over all columns would: the same bits."""
     T, H = x_TH.shape
     G = w1_G2IH.shape[0]
     plan = _plan(T, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1)
@@ -259,7 +279,9 @@ def gemm1_backward(
     dw1 = w1_G2IH.new_empty(0)
     if R == 0:  # every output is written by a kernel below; with no rows they are all zero
         return dx.zero_(), torch.zeros_like(w1_G2IH) if need_dw1 else dw1
-    x_gather = RowGather(x_TH, row_token_R) if need_dw1 else None
+    wgrad_cfg = wgrad_config(x_TH.device)
+    chunks = _column_chunks(R, H, x_TH.element_size(), wgrad_cfg.block_n) if need_dw1 else []
+    x_gather = RowGather(x_TH[:, slice(*chunks[0])], row_token_R) if need_dw1 else None
     if need_dx:
         dx_rows = x_TH.new_empty(R, H)
         cfg = gemm_config("dgrad1", x_TH.device)
@@ -279,16 +301,21 @@ def gemm1_backward(
         combine(dx_rows, slot_row_S, dx, topk=topk, weights_R=None)
         del dx_rows
     if x_gather is not None:
-        # allocated once dx_rows is free, so the gathered x (alive beside dx_rows) adds nothing to the peak
-        dw1 = torch.empty_like(w1_G2IH)
-        grouped_wgrad(
-            grad_h_R2I,
-            x_gather.rows(),
-            dw1,
-            plan,
-            config=wgrad_config(x_TH.device),
-            num_sms=num_programs(x_TH.device),
-        )
+        dw1 = torch.empty_like(w1_G2IH)  # allocated once dx_rows is free: less at the peak
+        for i, columns in enumerate(chunks):
+            x_rows = x_gather.rows()
+            x_gather = RowGather(x_TH[:, slice(*chunks[i + 1])], row_token_R) if i + 1 < len(chunks) else None
+            grouped_wgrad(
+                grad_h_R2I,
+                x_rows,
+                dw1[:, :, slice(*columns)],
+                plan,
+                config=wgrad_cfg,
+                num_sms=num_programs(x_TH.device),
+            )
+            if x_gather is not None:
+                x_gather.start()  # the next chunk, gathered while this chunk's wgrad runs
+            del x_rows
     return dx, dw1
 
 

@@ -77,6 +77,7 @@ def _gather_rows_kernel(
     next_block_ptr,
     R,
     H,
+    stride_src,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -87,12 +88,15 @@ def _gather_rows_kernel(
         rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < R
         src_row = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-        copy_rows_streaming(src_ptr + src_row * H, out_ptr + rows.to(tl.int64) * H, row_ok, H, BLOCK_H)
+        copy_rows_streaming(
+            src_ptr + src_row * stride_src, out_ptr + rows.to(tl.int64) * H, row_ok, H, BLOCK_H
+        )
         block = tl.atomic_add(next_block_ptr, 1)
 
 
 def gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor) -> None:
-    """``out_RH = src_TH[index_R]`` (contiguous rows, ``index_R`` int32 in ``[0, T)``), one program per SM:
+    """``out_RH = src_TH[index_R]`` (``out_RH`` contiguous; ``src_TH`` rows of unit column stride, so a
+    column slice of a wider tensor too; ``index_R`` int32 in ``[0, T)``), one program per SM:
     by the TMA unit where :func:`.tma_rows.supported` (Hopper and later), else by the kernel above.
 
     The programs take row blocks from a counter rather than a fixed share each: beside a persistent GEMM
@@ -116,8 +120,8 @@ def register_gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor) -> Non
     R, H = out_RH.shape
     grid = min(num_programs(src_TH.device), cdiv(R, BLOCK_R))
     _gather_rows_kernel[(grid,)](
-        src_TH, index_R, out_RH, _zeroed_counter(src_TH.device), R, H, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H,
-        num_warps=NUM_WARPS,
+        src_TH, index_R, out_RH, _zeroed_counter(src_TH.device), R, H, src_TH.stride(0),
+        BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS,
     )  # fmt: skip
 
 
@@ -135,7 +139,9 @@ class RowGather:
     """``src[index]`` gathered on a side stream between :meth:`start` and :meth:`rows`."""
 
     def __init__(self, src_TH: Tensor, index_R: Tensor) -> None:
-        self._src, self._index = src_TH.contiguous(), index_R
+        """``src_TH`` may be a column slice of a wider tensor (its rows are read in place)."""
+        self._src = src_TH if src_TH.stride(-1) == 1 else src_TH.contiguous()
+        self._index = index_R
         # allocated on the current stream, which frees it after the consumer: no record_stream needed
         self._out = src_TH.new_empty(index_R.numel(), src_TH.shape[1])
         self._side: torch.cuda.Stream | None = None

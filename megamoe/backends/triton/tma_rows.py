@@ -82,14 +82,15 @@ def _tma_gather_rows_kernel(
 
 def supported(src_TH: Tensor, out_RH: Tensor) -> bool:
     """Whether the TMA gather can move these rows: an NVIDIA GPU of compute capability 9 or later, Triton
-    3.6 or later, 2-byte rows a multiple of 16 bytes long, both bases 16-byte aligned."""
+    3.6 or later, 2-byte rows a multiple of 16 bytes long and 16 bytes apart, both bases 16-byte aligned."""
     if not src_TH.is_cuda or torch.version.hip is not None or src_TH.element_size() != 2:
         return False
     if torch.cuda.get_device_capability(src_TH.device)[0] < 9:
         return False
     if not _TRITON_OK:
         return False
-    return src_TH.shape[1] % 8 == 0 and src_TH.data_ptr() % 16 == 0 and out_RH.data_ptr() % 16 == 0
+    rows_ok = src_TH.shape[1] % 8 == 0 and src_TH.stride(0) % 8 == 0 and src_TH.stride(1) == 1
+    return rows_ok and src_TH.data_ptr() % 16 == 0 and out_RH.data_ptr() % 16 == 0
 
 
 def tma_gather_rows(src_TH: Tensor, index_R: Tensor, out_RH: Tensor, next_block: Tensor, grid: int) -> None:

@@ -64,6 +64,8 @@ def _wgrad_kernel(
     G,
     M,
     N,
+    stride_out_g,
+    stride_out_m,
     num_programs,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -106,7 +108,12 @@ def _wgrad_kernel(
             acc = tl.dot(p.T, q, acc)
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        out_ptrs = out_ptr + expert.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        out_ptrs = (
+            out_ptr
+            + expert.to(tl.int64) * stride_out_g
+            + offs_m[:, None].to(tl.int64) * stride_out_m
+            + offs_n[None, :]
+        )
         tl.store(
             out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :]
         )
@@ -115,8 +122,11 @@ def _wgrad_kernel(
 def grouped_wgrad(
     p_RM: Tensor, q_RN: Tensor, out_GMN: Tensor, plan: RoutingPlan, *, config: TileConfig, num_sms: int
 ) -> None:
-    """Write ``out_GMN[g] = P_g^T Q_g`` for contiguous expert-sorted ``P [R, M]`` and ``Q [R, N]``."""
+    """Write ``out_GMN[g] = P_g^T Q_g`` for contiguous expert-sorted ``P [R, M]`` and ``Q [R, N]``;
+    ``out_GMN`` may be a column slice of a wider weight (unit column stride)."""
     G, M, N = out_GMN.shape
+    if out_GMN.stride(2) != 1:
+        raise ValueError(f"the wgrad's output needs unit column stride, got strides {out_GMN.stride()}")
     bm, bn = config.block_m, config.block_n
     if p_RM.is_cuda:
         triton.set_allocator(_alloc_scratch)
@@ -130,6 +140,8 @@ def grouped_wgrad(
         G,
         M,
         N,
+        out_GMN.stride(0),
+        out_GMN.stride(1),
         grid_size,
         # a program's consecutive tiles are grid_size apart: with fewer tiles per expert, every tile
         # is another expert's and the check would only stand in the pipeline's way

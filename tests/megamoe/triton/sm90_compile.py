@@ -198,7 +198,7 @@ def _wgrad(M: int, N: int) -> tuple:
     grid = min(NUM_SMS, G * per_expert)
     args = dict(
         p_ptr="*bf16", q_ptr="*bf16", out_ptr="*bf16", expert_start_ptr="*i32", G=G, M=M, N=N,
-        num_programs=grid, REUSE_DESCRIPTORS=per_expert > grid,
+        stride_out_g=M * N, stride_out_m=N, num_programs=grid, REUSE_DESCRIPTORS=per_expert > grid,
         **config_constexprs(_wgrad_kernel, cfg),
     )  # fmt: skip
     return _wgrad_kernel, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -261,7 +261,7 @@ def _small_kernels() -> dict:
         BLOCK_N=min(triton.next_power_of_2(2 * I), 256),
     )  # fmt: skip
     gather = dict(
-        src_ptr="*bf16", index_ptr="*i32", out_ptr="*bf16", next_block_ptr="*i32", R=R, H=H,
+        src_ptr="*bf16", index_ptr="*i32", out_ptr="*bf16", next_block_ptr="*i32", R=R, H=H, stride_src=H,
         BLOCK_R=GATHER_BLOCK_R, BLOCK_H=GATHER_BLOCK_H,
     )  # fmt: skip
     nvmma = "NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)"

@@ -26,6 +26,15 @@ def test_rows_are_the_gather_on_cpu(rows: int, hidden: int) -> None:
     assert torch.equal(gather.rows(), src[index.long()])
 
 
+def test_a_column_slice_is_gathered_in_place() -> None:
+    """A column slice of a wider tensor (dW1's chunks of ``x``) is read through its row stride, no copy."""
+    src, index = _problem("cpu", 101, 72)
+    piece = src[:, 16:48]
+    gather = RowGather(piece, index)
+    gather.start()
+    assert torch.equal(gather.rows(), src[index.long(), 16:48])
+
+
 def test_the_tma_gather_is_for_cuda_rows_only() -> None:
     """Off CUDA (and so in the interpreter) the register kernel above runs: TMA needs a Hopper GPU."""
     src = torch.zeros(4, 64, dtype=torch.bfloat16)
@@ -96,6 +105,19 @@ def test_bf16_rows_go_by_tma_on_hopper_and_equal_the_gather(rows: int, hidden: i
     assert tma_rows.supported(src, out) == (hopper and hidden % 8 == 0)
     side_gather.gather_rows(src, index, out)
     assert torch.equal(out, src[index.long()])
+
+
+@pytest.mark.gpu
+def test_a_column_slice_goes_by_tma_on_hopper_and_equals_the_gather() -> None:
+    """dW1's chunks: 1024 columns from 256 on of 4096-column rows (TMA on Hopper), and 520 of 1100-column
+    rows, whose 2200-byte row stride TMA cannot take (the register kernel)."""
+    for hidden, start, width, by_tma in ((4096, 256, 1024, True), (1100, 8, 520, False)):
+        src, index = _problem("cuda", 777, hidden)
+        piece = src.to(torch.bfloat16)[:, start : start + width]
+        out = torch.empty(777, width, dtype=torch.bfloat16, device="cuda")
+        assert tma_rows.supported(piece, out) == (by_tma and torch.cuda.get_device_capability()[0] >= 9)
+        side_gather.gather_rows(piece, index, out)
+        assert torch.equal(out, piece[index.long()])
 
 
 @pytest.mark.gpu

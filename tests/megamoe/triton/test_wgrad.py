@@ -46,3 +46,18 @@ def test_ragged_experts_match_the_reference(M: int, N: int) -> None:
     starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
     expected = torch.stack([p[a:b].T @ q[a:b] for a, b in pairwise(starts)])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_column_slice_of_the_output_gets_the_same_values() -> None:
+    """dW1 is written in column chunks: the wgrad into ``out[:, :, a:b]`` of a wider weight writes those
+    columns (the same values as into a contiguous output) and nothing beside them."""
+    counts = [9, 0, 21]
+    g = torch.Generator().manual_seed(1)
+    p = torch.randn(sum(counts), 32, generator=g)
+    q = torch.randn(sum(counts), 40, generator=g)
+    whole = torch.full((len(counts), 32, 72), float("nan"))
+    alone = torch.empty(len(counts), 32, 40)
+    grouped_wgrad(p, q, whole[:, :, 16:56], _plan(counts), config=wgrad_config(CPU), num_sms=4)
+    grouped_wgrad(p, q, alone, _plan(counts), config=wgrad_config(CPU), num_sms=4)
+    assert torch.equal(whole[:, :, 16:56], alone)
+    assert whole[:, :, :16].isnan().all() and whole[:, :, 56:].isnan().all()
