@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megamoe.backends.triton.grid import cdiv
 from megamoe.errors import InvalidConfigError
 
 BLOCK_M_GPU = 128
@@ -114,3 +115,19 @@ def gemm_config(op: str, device: torch.device) -> TileConfig:
 def wgrad_config(device: torch.device) -> TileConfig:
     """Tile shape of the K-grouped weight-gradient GEMM."""
     return _GPU_WGRAD if device.type == "cuda" else _CPU_WGRAD
+
+
+WGRAD_OPERAND_CHUNK_BYTES = 128 << 20
+"""about how many bytes of a wgrad's gathered operand (dW1's dispatched ``x``) are made and read at a
+time: the operand is built in column chunks, so it never lives whole beside the other buffers of the
+backward's peak"""
+
+
+def column_chunks(rows: int, cols: int, element_size: int, multiple: int) -> list[tuple[int, int]]:
+    """``[start, end)`` column ranges of about ``WGRAD_OPERAND_CHUNK_BYTES`` over ``rows`` rows, each a
+    multiple of ``multiple`` wide (the wgrad's tile width) but the last; one range where all fits."""
+    if cols == 0:
+        return [(0, 0)]
+    count = max(1, cdiv(rows * cols * element_size, WGRAD_OPERAND_CHUNK_BYTES))
+    width = max(1, cdiv(cdiv(cols, count), multiple)) * multiple
+    return [(start, min(start + width, cols)) for start in range(0, cols, width)]

@@ -18,8 +18,7 @@ from torch import Tensor
 
 from megamoe.backends.opaque import opaque_op
 from megamoe.backends.triton.combine import combine
-from megamoe.backends.triton.configs import gemm_config, num_programs, wgrad_config
-from megamoe.backends.triton.grid import cdiv
+from megamoe.backends.triton.configs import column_chunks, gemm_config, num_programs, wgrad_config
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton.side_gather import RowGather
@@ -234,20 +233,6 @@ def _(
     return h_R2I.new_empty(R, two_i), dispatch_weights_R.new_empty(R), dw2
 
 
-GATHER_CHUNK_BYTES = 128 << 20
-"""about how many bytes of dW1's gathered ``x`` are made and read at a time (:func:`gemm1_backward`)"""
-
-
-def _column_chunks(rows: int, cols: int, element_size: int, multiple: int) -> list[tuple[int, int]]:
-    """``[start, end)`` column ranges of about ``GATHER_CHUNK_BYTES`` over ``rows`` rows, each a multiple
-    of ``multiple`` wide (the wgrad's tile width) but the last; one range where everything fits."""
-    count = max(1, cdiv(rows * cols * element_size, GATHER_CHUNK_BYTES))
-    width = max(1, cdiv(cdiv(cols, count), multiple)) * multiple
-    if cols == 0:
-        return [(0, 0)]
-    return [(start, min(start + width, cols)) for start in range(0, cols, width)]
-
-
 @opaque_op("megamoe_triton::gemm1_backward")
 def gemm1_backward(
     x_TH: Tensor,
@@ -267,7 +252,7 @@ def gemm1_backward(
     K-grouped ``dW1 = dh^T x_sorted`` (the dispatch of ``x`` recomputed as transient gathers that run
     beside the GEMMs, :mod:`~megamoe.backends.triton.side_gather`).
 
-    ``x_sorted [R, H]`` is gathered and used in column chunks (:func:`_column_chunks`): the first beside
+    ``x_sorted [R, H]`` is gathered and used in column chunks (:func:`~.configs.column_chunks`): the first beside
     the dgrad, each next one beside the wgrad of the one before, so at most two chunks are alive at a
     time, not all of it beside ``dx_rows`` and dW1. Each chunk's wgrad sums every element in the same
     row order as one wgrad over all columns would: the same bits."""
@@ -280,7 +265,7 @@ def gemm1_backward(
     if R == 0:  # every output is written by a kernel below; with no rows they are all zero
         return dx.zero_(), torch.zeros_like(w1_G2IH) if need_dw1 else dw1
     wgrad_cfg = wgrad_config(x_TH.device)
-    chunks = _column_chunks(R, H, x_TH.element_size(), wgrad_cfg.block_n) if need_dw1 else []
+    chunks = column_chunks(R, H, x_TH.element_size(), wgrad_cfg.block_n) if need_dw1 else []
     x_gather = RowGather(x_TH[:, slice(*chunks[0])], row_token_R) if need_dw1 else None
     if need_dx:
         dx_rows = x_TH.new_empty(R, H)

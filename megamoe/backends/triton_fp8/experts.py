@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megamoe.backends.triton.configs import num_programs
+from megamoe.backends.triton.configs import column_chunks, num_programs
 from megamoe.backends.triton.padding import zero_padding_rows
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton.rows import Rows
@@ -136,6 +136,13 @@ class FP8Experts:
         return out
 
     @staticmethod
+    def _wgrad_block_n(device: torch.device) -> int:
+        """Columns of a weight-gradient tile, by the kernel :meth:`_wgrad` runs on ``device``."""
+        if wgmma_wgrad is not None and wgmma_gemm.supported(device):
+            return GPU_WGMMA_WGRAD.block_n
+        return wgrad_config(device).block_n
+
+    @staticmethod
     def _along_r(src: Tensor, plan: RowPlan, index_R: Tensor | None) -> FP8Tensor:
         r = plan.routing
         return quantize_segments(
@@ -213,10 +220,16 @@ class FP8Experts:
     def wgrad1(
         self, grad_h_R2I: Tensor, rows: Tensor, w1_G2IH: Tensor, plan: RowPlan, a_rows: Tensor | None
     ) -> Tensor:
-        """``dW1 = t(dh)^T t(x)``, both along R."""
+        """``dW1 = t(dh)^T t(x)``, both along R; ``t(x)`` made and used in column chunks
+        (:func:`~megamoe.backends.triton.configs.column_chunks`), so it never lives whole beside dW1. Each
+        column's 1×128 tiles along R are the same in a chunk as in the whole: the same bits."""
         dw1 = torch.empty_like(w1_G2IH)
-        if grad_h_R2I.shape[0]:
-            self._wgrad(self._along_r(grad_h_R2I, plan, None), self._along_r(rows, plan, a_rows), dw1, plan)
-        else:
-            dw1.zero_()
+        R, H = grad_h_R2I.shape[0], rows.shape[1]
+        if not R:
+            return dw1.zero_()
+        p = self._along_r(grad_h_R2I, plan, None)
+        for columns in column_chunks(R, H, 1, self._wgrad_block_n(dw1.device)):
+            q = self._along_r(rows[:, slice(*columns)], plan, a_rows)
+            self._wgrad(p, q, dw1[:, :, slice(*columns)], plan)
+            del q
         return dw1

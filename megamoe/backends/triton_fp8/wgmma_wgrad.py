@@ -129,6 +129,8 @@ def _consumer(
     G,
     M,
     N,
+    stride_out_g,
+    stride_out_m,
     num_programs,
     HALF: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -159,7 +161,12 @@ def _consumer(
             i += 1
         rows = m0 + 64 * HALF + gl.arange(0, 64, layout=row_layout)
         cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-        ptrs = out_ptr + expert.to(gl.int64) * M * N + rows.to(gl.int64)[:, None] * N + cols[None, :]
+        ptrs = (
+            out_ptr
+            + expert.to(gl.int64) * stride_out_g
+            + rows.to(gl.int64)[:, None] * stride_out_m
+            + cols[None, :]
+        )
         gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
@@ -178,6 +185,8 @@ def _wgmma_fp8_wgrad_kernel(
     stride_ps_b,
     stride_qs_n,
     stride_qs_b,
+    stride_out_g,
+    stride_out_m,
     num_programs,
     BLOCK_N: gl.constexpr,
     GROUP_M: gl.constexpr,
@@ -194,9 +203,9 @@ def _wgmma_fp8_wgrad_kernel(
     gl.warp_specialize(
         [
             (_consumer, (p_bufs, q_bufs, sp_bufs, sq_bufs, ready, empty, out_ptr, block_start_ptr, G, M, N,
-                         num_programs, gl.constexpr(0), BLOCK_N, GROUP_M, STAGES)),
+                         stride_out_g, stride_out_m, num_programs, gl.constexpr(0), BLOCK_N, GROUP_M, STAGES)),
             (_consumer, (p_bufs, q_bufs, sp_bufs, sq_bufs, ready, empty, out_ptr, block_start_ptr, G, M, N,
-                         num_programs, gl.constexpr(1), BLOCK_N, GROUP_M, STAGES)),
+                         stride_out_g, stride_out_m, num_programs, gl.constexpr(1), BLOCK_N, GROUP_M, STAGES)),
             (_producer, (p_desc, q_desc, p_bufs, q_bufs, sp_bufs, sq_bufs, ready, empty, p_scale_ptr, q_scale_ptr,
                          block_start_ptr, G, M, N, stride_ps_m, stride_ps_b, stride_qs_n, stride_qs_b,
                          num_programs, BLOCK_N, GROUP_M, STAGES)),
@@ -227,6 +236,6 @@ def wgmma_fp8_wgrad(
     grid = max(1, min(num_sms * config.programs_per_sm, G * cdiv(M, TILE) * cdiv(N, bn)))
     _wgmma_fp8_wgrad_kernel[(grid,)](
         p_desc, q_desc, p.scale, q.scale, out_GMN, block_start_G1, G, M, N, p.scale.stride(0), p.scale.stride(1),
-        q.scale.stride(0), q.scale.stride(1), grid, BLOCK_N=bn, GROUP_M=config.group_m, STAGES=config.num_stages,
+        q.scale.stride(0), q.scale.stride(1), out_GMN.stride(0), out_GMN.stride(1), grid, BLOCK_N=bn, GROUP_M=config.group_m, STAGES=config.num_stages,
         CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
     )  # fmt: skip

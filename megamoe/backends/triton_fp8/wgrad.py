@@ -45,6 +45,8 @@ def _fp8_wgrad_kernel(
     stride_ps_b,
     stride_qs_n,
     stride_qs_b,
+    stride_out_g,
+    stride_out_m,
     num_programs,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -80,13 +82,21 @@ def _fp8_wgrad_kernel(
             p = p_desc.load([m0, kb * BLOCK_K])
             q = q_desc.load([n0, kb * BLOCK_K])
             acc += (tl.dot(p, q.T, out_dtype=tl.float32) * sq[None, :]) * sp[:, None]
-        out_ptrs = out_ptr + expert.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        out_ptrs = (
+            out_ptr
+            + expert.to(tl.int64) * stride_out_g
+            + offs_m[:, None].to(tl.int64) * stride_out_m
+            + offs_n[None, :]
+        )
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def check_operands(p: FP8Tensor, q: FP8Tensor, out_GMN: Tensor) -> tuple[int, int, int]:
-    """``(G, M, N)`` of ``out_GMN``, once ``p`` and ``q`` are its packed along-R operands in 1×128 tiles."""
+    """``(G, M, N)`` of ``out_GMN`` (unit column stride: it may be a column slice of a wider weight), once
+    ``p`` and ``q`` are its packed along-R operands in 1×128 tiles."""
     G, M, N = out_GMN.shape
+    if out_GMN.stride(2) != 1:
+        raise ValueError(f"the wgrad's output needs unit column stride, got strides {out_GMN.stride()}")
     if (
         p.data.shape != (M, q.data.shape[1])
         or q.data.shape[0] != N
@@ -126,6 +136,8 @@ def fp8_wgrad(
         p.scale.stride(1),
         q.scale.stride(0),
         q.scale.stride(1),
+        out_GMN.stride(0),
+        out_GMN.stride(1),
         grid_size,
         **config.launch_kwargs(),
     )

@@ -81,12 +81,12 @@ def test_triton_same_bits_every_run() -> None:
 def test_dw1_from_x_gathered_in_column_chunks_has_the_same_bits(monkeypatch) -> None:
     """dW1's gathered ``x`` in three column chunks (the last one ragged), each gathered beside the wgrad
     of the one before: the same gradients, bit for bit, as from one gather of every column."""
-    from megamoe.backends.triton import ops
+    from megamoe.backends.triton import configs
 
     case = _case(23, 40, 24, 4, 3, drop=0.15, empty=1, seed=5)
     whole = _run("triton", *case)
-    monkeypatch.setattr(ops, "GATHER_CHUNK_BYTES", 1)
-    assert ops._column_chunks(69, 40, 4, 16) == [(0, 16), (16, 32), (32, 40)]
+    monkeypatch.setattr(configs, "WGRAD_OPERAND_CHUNK_BYTES", 1)
+    assert configs.column_chunks(69, 40, 4, 16) == [(0, 16), (16, 32), (32, 40)]
     chunked = _run("triton", *case)
     for name in GRADS:
         assert torch.equal(chunked[name], whole[name]), name

@@ -75,8 +75,8 @@ def _wgrad(M: int, N: int) -> tuple:
     args = dict(
         p_desc=f"tensordesc<fp8e4nv[{cfg.block_m},{TILE}]>", q_desc=f"tensordesc<fp8e4nv[{cfg.block_n},{TILE}]>",
         p_scale_ptr="*fp32", q_scale_ptr="*fp32", out_ptr="*bf16", block_start_ptr="*i32", G=G, M=M, N=N,
-        stride_ps_m=1, stride_ps_b=M, stride_qs_n=1, stride_qs_b=N, num_programs=NUM_SMS * cfg.programs_per_sm,
-        **config_constexprs(_fp8_wgrad_kernel, cfg),
+        stride_ps_m=1, stride_ps_b=M, stride_qs_n=1, stride_qs_b=N, stride_out_g=M * N, stride_out_m=N,
+        num_programs=NUM_SMS * cfg.programs_per_sm, **config_constexprs(_fp8_wgrad_kernel, cfg),
     )  # fmt: skip
     return _fp8_wgrad_kernel, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
@@ -90,7 +90,8 @@ def _wgmma_wgrad(M: int, N: int) -> tuple:
         p_desc=f"tensordesc<fp8e4nv[{TILE},{TILE}],{p_layout}>",
         q_desc=f"tensordesc<fp8e4nv[{cfg.block_n},{TILE}],{q_layout}>", p_scale_ptr="*fp32", q_scale_ptr="*fp32",
         out_ptr="*bf16", block_start_ptr="*i32", G=G, M=M, N=N, stride_ps_m=1, stride_ps_b=M, stride_qs_n=1,
-        stride_qs_b=N, num_programs=NUM_SMS * cfg.programs_per_sm, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+        stride_qs_b=N, stride_out_g=M * N, stride_out_m=N, num_programs=NUM_SMS * cfg.programs_per_sm,
+        BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, CONSUMER_REGS=wgmma_wgrad.CONSUMER_REGS,
     )  # fmt: skip
     return wgmma_wgrad._wgmma_fp8_wgrad_kernel, args, {"num_warps": cfg.num_warps}
