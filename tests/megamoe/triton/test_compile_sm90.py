@@ -20,7 +20,13 @@ PIPELINED = ("gemm1: row gather + SwiGLU epilogue", "gemm1: plain row gather", "
 
 def test_every_launch_compiles_for_sm90_without_spills() -> None:
     report = assert_compiles_for_sm90("tests.megamoe.triton.sm90_compile", pipelined=PIPELINED)
-    # the backward's side gathers must fit on an SM beside the persistent dgrad programs (side_gather.py)
-    gemms = [report["dgrad2: row gather, B [K, N]"], report["dgrad1: A by TMA, B [K, N]"]]
+    # the backward's side gathers must fit on an SM beside the persistent programs they run beside
+    # (side_gather.py): the dgrads, and the wgrad beside which dW1's next column chunk is gathered
+    gemms = [
+        report["dgrad2: row gather, B [K, N]"],
+        report["dgrad1: A by TMA, B [K, N]"],
+        report["wgrad (K-grouped)"],
+        report["wgrad (K-grouped), 48 tiles per expert"],
+    ]
     assert_fits_beside(report["row gather beside a GEMM"], gemms)
     assert_fits_beside(report["TMA row gather beside a GEMM"], gemms, warps=tma_rows.NUM_WARPS)
