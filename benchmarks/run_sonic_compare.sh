@@ -16,8 +16,10 @@
 # into $OUT/quack-autotune.tar.gz; put that file in PEER (or over benchmarks/results/
 # sonic-quack-autotune-h200.tar.gz) and the next run, on a fresh machine too, compiles only the
 # chosen configs. Where a call is limited to 10 minutes, run one model per call.
-# Other settings: ROUTING (default uniform,skewed), STEP_TIMEOUT_S (default 540), SITE (where the
-# wheels go, default /tmp/site), PYTHON (default python3).
+# TIMELINE=1 also writes each model's per-kernel timeline of MegaMoE and of SonicMoE (first routing
+# only; python -m benchmarks.profile_layer --impl megamoe|sonic) to $OUT/timeline-<impl>-<model>.md.
+# BENCH=0 skips the timed bench (timelines only). Other settings: ROUTING (default uniform,skewed),
+# STEP_TIMEOUT_S (default 540), SITE (where the wheels go, default /tmp/site), PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 peer=${PEER:-.peer}
@@ -49,10 +51,20 @@ timeout 300 "$py" -c 'import sonicmoe; print("sonicmoe", sonicmoe.__version__, "
   { echo "sonicmoe does not import after the install" >&2; exit 1; }
 
 status=0
+routings=${ROUTING:-uniform,skewed}
 for model in "${models[@]}"; do
-  timeout "$step_s" "$py" -m benchmarks.bench --mode layer --models "$model" --routing "${ROUTING:-uniform,skewed}" \
-    --baseline torch,sonic --json "$out/layer-sonic-$model.json" 2>&1 | tee "$out/layer-sonic-$model.log" ||
-    { echo "$model: the bench step failed or ran past ${step_s} s" >&2; status=1; }
+  if [ "${BENCH:-1}" != 0 ]; then
+    timeout "$step_s" "$py" -m benchmarks.bench --mode layer --models "$model" --routing "$routings" \
+      --baseline torch,sonic --json "$out/layer-sonic-$model.json" 2>&1 | tee "$out/layer-sonic-$model.log" ||
+      { echo "$model: the bench step failed or ran past ${step_s} s" >&2; status=1; }
+  fi
+  if [ "${TIMELINE:-0}" = 1 ]; then
+    for impl in megamoe sonic; do
+      timeout "$step_s" "$py" -m benchmarks.profile_layer --model "$model" --routing "${routings%%,*}" \
+        --impl "$impl" 2>&1 | tee "$out/timeline-$impl-$model.md" ||
+        { echo "$model: the $impl timeline failed or ran past ${step_s} s" >&2; status=1; }
+    done
+  fi
   (cd "$QUACK_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$out/quack-autotune.tar.gz" -T -)
 done
 exit $status

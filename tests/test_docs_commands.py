@@ -57,7 +57,7 @@ EXEMPT = {
     r"^torchrun --nproc_per_node N\b": "a schematic of what primus-cli runs (N, X, [--key value ...])",
     r"hooks/00_rebuild_primus_turbo\.sh$": "clones and builds Primus-Turbo; its --dry-run line is run",
     r"^python -m benchmarks\.": "a GPU benchmark (CUDA; run from the checkout's root)",
-    r"^benchmarks/run_sonic_compare\.sh\b": "installs SonicMoE's carried wheels, then a GPU benchmark",
+    r"^(BENCH=0 TIMELINE=1 ROUTING=uniform )?benchmarks/run_sonic_compare\.sh\b": "installs SonicMoE's carried wheels, then a GPU benchmark",
     r"^MEGAMOE_EP_TRANSPORT=nccl python -m megamoe\.train pretrain \.\.\.$": "an EP>1 job on GPUs: `...` is a multi-rank launch",
 }
 NODE_FOR_CONFIGS = {
