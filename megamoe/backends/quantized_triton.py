@@ -184,6 +184,7 @@ class QuantizedTritonBackend(TransportBackend):
             else:
                 dx_rows = self.experts.dgrad1(grad_h, w1_G2IH, plan.rows)
                 combine(dx_rows, r.slot_row_S, dx, topk=r.topk, weights_R=None)
+                del dx_rows  # [R, H]: not alive beside dW1 and its operands
             dx = plan.moved.tokens_out(dx, x_TH.dtype)
         if need_dw1:
             dw1 = self.experts.wgrad1(grad_h, rows, w1_G2IH, plan.rows, r.row_token_R)

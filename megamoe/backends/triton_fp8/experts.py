@@ -194,19 +194,18 @@ class FP8Experts:
         R, inter = h_R2I.shape[0], h_R2I.shape[1] // 2
         dh = h_R2I if dh_over_h else h_R2I.new_empty(R, 2 * inter)
         d_weights = torch.empty(R, dtype=torch.float32, device=h_R2I.device)
-        dw2 = torch.empty_like(w2_GHI) if need_dw2 else None
-        if R:
-            da = torch.empty(R, inter, dtype=torch.float32, device=h_R2I.device)
-            self._gemm(
-                self._rowwise(dy_rows, plan, a_rows), self._w(w2_GHI, transposed=True), da, plan, a_rows
-            )
-            aw = swiglu_backward_quant(
-                h_R2I, da, weights_R, dh, d_weights, r.expert_start_G1, plan.block_start_G1, plan.num_blocks
-            )
-            if need_dw2:
-                self._wgrad(self._along_r(dy_rows, plan, a_rows), aw, dw2, plan)
-        elif dw2 is not None:
-            dw2.zero_()
+        if not R:
+            return dh, d_weights, torch.zeros_like(w2_GHI) if need_dw2 else None
+        da = torch.empty(R, inter, dtype=torch.float32, device=h_R2I.device)
+        self._gemm(self._rowwise(dy_rows, plan, a_rows), self._w(w2_GHI, transposed=True), da, plan, a_rows)
+        aw = swiglu_backward_quant(
+            h_R2I, da, weights_R, dh, d_weights, r.expert_start_G1, plan.block_start_G1, plan.num_blocks
+        )
+        del da  # fp32 [R, I]: freed before dW2 and its operand are allocated (less at the peak)
+        dw2 = None
+        if need_dw2:
+            q_dy = self._along_r(dy_rows, plan, a_rows)
+            dw2 = self._wgrad(q_dy, aw, torch.empty_like(w2_GHI), plan)
         return dh, d_weights, dw2
 
     def dgrad1(self, grad_h_R2I: Tensor, w1_G2IH: Tensor, plan: RowPlan) -> Tensor:

@@ -174,18 +174,19 @@ class MXExperts:
         # routed rows: the SwiGLU pass; padding rows: zeroed below
         dh = h_R2I if dh_over_h else h_R2I.new_empty(R, 2 * inter)
         d_weights = torch.zeros(R, dtype=torch.float32, device=h_R2I.device)
-        dw2 = torch.zeros_like(w2_GHI) if need_dw2 else None
-        if R:
-            da = torch.empty(R, inter, dtype=torch.float32, device=h_R2I.device)
-            self._gemm(
-                self._quantize(dy_rows, plan, a_rows), self._w(w2_GHI, transposed=True), da, plan, a_rows
-            )
-            aw = swiglu_backward_quant(
-                h_R2I, da, weights_R, dh, d_weights, r.expert_start_G1, plan.block_start_G1, plan.num_blocks
-            )
-            zero_padding_rows(r.expert_start_G1, dh)
-            if need_dw2:
-                self._wgrad(self._along_r(dy_rows, plan, a_rows), aw, dw2, plan)
+        if not R:
+            return dh, d_weights, torch.zeros_like(w2_GHI) if need_dw2 else None
+        da = torch.empty(R, inter, dtype=torch.float32, device=h_R2I.device)
+        self._gemm(self._quantize(dy_rows, plan, a_rows), self._w(w2_GHI, transposed=True), da, plan, a_rows)
+        aw = swiglu_backward_quant(
+            h_R2I, da, weights_R, dh, d_weights, r.expert_start_G1, plan.block_start_G1, plan.num_blocks
+        )
+        del da  # fp32 [R, I]: freed before dW2 and its operand are allocated (less at the peak)
+        zero_padding_rows(r.expert_start_G1, dh)
+        dw2 = None
+        if need_dw2:
+            dw2 = torch.zeros_like(w2_GHI)
+            self._wgrad(self._along_r(dy_rows, plan, a_rows), aw, dw2, plan)
         return dh, d_weights, dw2
 
     def dgrad1(

@@ -79,6 +79,58 @@ def test_dw1_from_t_x_made_in_column_chunks_has_the_same_bits(monkeypatch) -> No
         assert torch.equal(chunked[name], whole[name]), name
 
 
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_backward_frees_its_largest_temporaries_before_the_weight_gradients(monkeypatch, precision) -> None:
+    """Stage 2's fp32 ``da [R, I]`` is freed before dW2's wgrad, and stage 1's ``dx`` rows ``[R, H]``
+    before dW1's: neither is alive beside a weight gradient and its operands (each held there as much
+    memory as the operand itself)."""
+    import inspect
+    import weakref
+
+    from megamoe.backends.triton_fp8 import experts as fp8_module
+    from megamoe.backends.triton_mx import experts as mx_module
+
+    module, cls = (
+        (fp8_module, fp8_module.FP8Experts) if precision == "fp8" else (mx_module, mx_module.MXExperts)
+    )
+    temporaries: dict[str, weakref.ref] = {}
+    checked: list[str] = []
+
+    def tracking(name: str, fn, grab):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            temporaries[name] = weakref.ref(grab(args, out))
+            return out
+
+        return wrapped
+
+    def freed_before(temporary: str, fn):
+        def wrapped(*args, **kwargs):
+            if temporary in temporaries:
+                alive = temporaries[temporary]() is not None
+                assert not alive, f"{temporary} is alive at {fn.__name__}"
+                checked.append(temporary)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(
+        module, "swiglu_backward_quant", tracking("da", module.swiglu_backward_quant, lambda a, out: a[1])
+    )
+    monkeypatch.setattr(cls, "dgrad1", tracking("dx rows", cls.dgrad1, lambda a, out: out))
+    along_r = inspect.getattr_static(cls, "_along_r")  # a staticmethod in FP8Experts, a method in MXExperts
+    if isinstance(along_r, staticmethod):
+        monkeypatch.setattr(cls, "_along_r", staticmethod(freed_before("da", along_r.__func__)))
+    else:
+        monkeypatch.setattr(cls, "_along_r", freed_before("da", along_r))
+    monkeypatch.setattr(cls, "wgrad1", freed_before("dx rows", cls.wgrad1))
+    x, idx, tw, w1, w2, dy = _case(23, 48, 80, 5, 3, drop=0.15, empty=2)
+    leaves = [t.clone().requires_grad_() for t in (x, tw, w1, w2)]
+    y = fused_mega_moe(leaves[0], idx, *leaves[1:], backend="triton", precision=precision)
+    torch.autograd.grad(y, leaves, dy)
+    assert {"da", "dx rows"} <= set(checked)
+
+
 def test_triton_fp8_weight_cache_follows_an_optimizer_step() -> None:
     """After an in-place update and ``advance_weight_generation`` (what the trainer does per step), the
     kernels read the new weights forward and backward: every output equals the emulation on them, not
