@@ -21,7 +21,7 @@ the dispatched copy (K times the size of ``x``). ``topk_idx == -1`` marks a drop
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -47,6 +47,10 @@ class MegaMoEHandle:
     """The ``h`` that ``act`` was computed from and its version counter: stage 2 uses ``act`` only for
     that very tensor, unmodified (a new or in-place changed ``h`` gets a fresh SwiGLU). Under
     torch.compile only the identity is checked: dynamo cannot compare version counters."""
+    dh_over_h: list[int] = field(default_factory=list)
+    """Shared by the stages' backward nodes (eager only): the address of the ``h`` that stage 2's
+    backward wrote ``dh`` over. Stage 1's backward then knows its ``grad_h`` is that buffer, which no one
+    else holds."""
 
     def act_for(self, h: Tensor) -> Tensor | None:
         """The stage-1 activation if it belongs to ``h``, else None."""
@@ -159,9 +163,16 @@ class _DispatchGroupedGemm(torch.autograd.Function):
         if grad_dispatch_weights is None:
             grad_dispatch_weights = x.new_zeros(w_shape, dtype=w_dtype)
         dx, d_topk_weights, dw1 = handle.backend.stage1_backward(
-            x, w1, handle.plan, grad_h, grad_dispatch_weights.contiguous(), needs
-        )
+            x, w1, handle.plan, grad_h, grad_dispatch_weights.contiguous(), needs,
+            grad_h_is_scratch=_is_dh_written_over_h(grad_h, handle.dh_over_h),
+        )  # fmt: skip
         return dx, d_topk_weights, dw1, None
+
+
+def _is_dh_written_over_h(grad_h: Tensor, dh_over_h: list[int]) -> bool:
+    """True when ``grad_h`` is the ``dh`` that stage 2 wrote over a private ``h`` (:class:`_GroupedGemmCombine`'s
+    ``h_is_private``): no one else holds or reads it, so stage 1 may use its bytes once it has read them."""
+    return grad_h.numel() > 0 and grad_h.data_ptr() in dh_over_h and _graph_freed_after_this_backward()
 
 
 def _with_state(handle: MegaMoEHandle, state) -> MegaMoEHandle:
@@ -195,10 +206,12 @@ class _GroupedGemmCombine(torch.autograd.Function):
         h, dispatch_weights, w2 = ctx.saved_tensors
         handle: MegaMoEHandle = ctx.handle
         needs = tuple(ctx.needs_input_grad[:3])
+        overwrite_h = ctx.h_is_private and _graph_freed_after_this_backward()
         dh, d_dispatch_weights, dw2 = handle.backend.stage2_backward(
-            h, dispatch_weights, w2, handle.plan, dy.contiguous(), needs,
-            overwrite_h=ctx.h_is_private and _graph_freed_after_this_backward(),
-        )  # fmt: skip
+            h, dispatch_weights, w2, handle.plan, dy.contiguous(), needs, overwrite_h=overwrite_h
+        )
+        if overwrite_h and dh is not None and dh.numel() and dh.data_ptr() == h.data_ptr():
+            handle.dh_over_h.append(dh.data_ptr())  # stage 1's grad_h: its bytes are free once read
         return dh, d_dispatch_weights, dw2, None, None, None
 
 

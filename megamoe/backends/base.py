@@ -65,8 +65,12 @@ class ExpertBackend(Protocol):
         grad_h_R2I: Tensor,
         grad_dispatch_weights_R: Tensor,
         needs_grad: tuple[bool, bool, bool],
+        grad_h_is_scratch: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """Return ``(dx_TH, d_topk_weights_TK, dw1_G2IH)``; recomputes the dispatched x for dW1."""
+        """Return ``(dx_TH, d_topk_weights_TK, dw1_G2IH)``; recomputes the dispatched x for dW1.
+
+        ``grad_h_is_scratch``: nothing reads ``grad_h_R2I`` after this call, so its bytes may hold
+        temporaries once its last read is done; a backend may ignore it."""
         ...
 
     def stage2_forward(

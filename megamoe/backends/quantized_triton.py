@@ -78,8 +78,15 @@ class RowExperts(Protocol):
     def dgrad1(self, grad_h_R2I: Tensor, w1_G2IH: Tensor, plan: Any) -> Tensor: ...
 
     def wgrad1(
-        self, grad_h_R2I: Tensor, rows: Tensor, w1_G2IH: Tensor, plan: Any, a_rows: Tensor | None
-    ) -> Tensor: ...
+        self,
+        grad_h_R2I: Tensor,
+        rows: Tensor,
+        w1_G2IH: Tensor,
+        plan: Any,
+        a_rows: Tensor | None,
+        scratch: Tensor | None = None,
+    ) -> Tensor:
+        """``dW1``; ``scratch`` (``grad_h_R2I`` itself, or None) may hold temporaries once it is read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +178,7 @@ class QuantizedTritonBackend(TransportBackend):
         grad_h_R2I: Tensor,
         grad_dispatch_weights_R: Tensor,
         needs_grad: tuple[bool, bool, bool],
+        grad_h_is_scratch: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         need_dx, need_dweights, need_dw1 = needs_grad
         r = plan.rows.routing
@@ -187,7 +195,8 @@ class QuantizedTritonBackend(TransportBackend):
                 del dx_rows  # [R, H]: not alive beside dW1 and its operands
             dx = plan.moved.tokens_out(dx, x_TH.dtype)
         if need_dw1:
-            dw1 = self.experts.wgrad1(grad_h, rows, w1_G2IH, plan.rows, r.row_token_R)
+            scratch = grad_h if grad_h_is_scratch else None  # read last by wgrad1: dgrad1 is done
+            dw1 = self.experts.wgrad1(grad_h, rows, w1_G2IH, plan.rows, r.row_token_R, scratch)
         if need_dweights:
             d_weights = plan.moved.slot_values_out(grad_dispatch_weights_R)
         return dx, d_weights, dw1

@@ -69,6 +69,7 @@ class ReferenceBackend(StagedBackend):
         grad_h_R2I: Tensor,
         grad_dispatch_weights_R: Tensor,
         needs_grad: tuple[bool, bool, bool],
+        grad_h_is_scratch: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         need_dx, need_dweights, need_dw1 = needs_grad
         counts = plan.tokens_per_expert

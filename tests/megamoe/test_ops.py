@@ -85,7 +85,8 @@ def test_stage1_gradient_reaching_one_output_only(used):
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "mxfp8"])
 def test_backward_writes_dh_over_a_private_h_only_when_the_graph_is_freed(precision):
     """A private ``h`` is dead inside stage 2's backward, so the Triton backends (interpreted here) write
-    ``dh`` over it, with the same gradients; a shared ``h`` or a retained graph keeps ``h`` intact."""
+    ``dh`` over it, with the same gradients, and stage 1's backward is told that its ``grad_h`` is that
+    buffer, free once read; a shared ``h`` or a retained graph keeps ``h`` intact."""
     c = make_case(tokens=[13], hidden=32, inter=32, experts=3, topk=2, seed=8, dtype=torch.float32)
     idx, dy = c["topk_idx"][0], torch.randn(13, 32, generator=torch.Generator().manual_seed(9))
 
@@ -94,22 +95,34 @@ def test_backward_writes_dh_over_a_private_h_only_when_the_graph_is_freed(precis
         h, dispatch_weights, handle = dispatch_grouped_gemm(
             leaves[0], idx, leaves[1], leaves[2], backend="triton", precision=precision
         )
-        h.retain_grad()
         h_before = h.detach().clone()
-        y = grouped_gemm_combine(h, dispatch_weights, handle, leaves[3], h_is_private=h_is_private)
-        y.backward(dy, retain_graph=retain_graph)
-        return y, h, h_before, leaves, [leaf.grad.clone() for leaf in leaves]
+        grad_h = []  # what stage 1's backward receives, and whether it lives in h's memory
+        h.register_hook(lambda g: grad_h.append((g.clone(), g.data_ptr() == h.data_ptr())))
+        stage1_backward = handle.backend.stage1_backward
+        scratch = []
 
-    _, h, h_before, _, expected = run(h_is_private=False, retain_graph=False)
-    assert torch.equal(h, h_before)
+        def spy(*args, grad_h_is_scratch=False):
+            scratch.append(grad_h_is_scratch)
+            return stage1_backward(*args, grad_h_is_scratch=grad_h_is_scratch)
 
-    _, h, _, _, grads = run(h_is_private=True, retain_graph=False)
-    assert torch.equal(h, h.grad)  # dh lives in h's memory (h.grad is autograd's copy of it)
+        handle.backend.stage1_backward = spy
+        try:
+            y = grouped_gemm_combine(h, dispatch_weights, handle, leaves[3], h_is_private=h_is_private)
+            y.backward(dy, retain_graph=retain_graph)
+        finally:
+            del handle.backend.stage1_backward
+        return y, h, h_before, leaves, [leaf.grad.clone() for leaf in leaves], grad_h[0], scratch[0]
+
+    _, h, h_before, _, expected, (dh, in_h), scratch = run(h_is_private=False, retain_graph=False)
+    assert torch.equal(h, h_before) and not in_h and not scratch
+
+    _, h, _, _, grads, (dh_private, in_h), scratch = run(h_is_private=True, retain_graph=False)
+    assert in_h and scratch and torch.equal(dh_private, dh)  # dh lived in h's memory
     for g, e in zip(grads, expected, strict=True):
         assert torch.equal(g, e)
 
-    y, h, h_before, leaves, grads = run(h_is_private=True, retain_graph=True)
-    assert torch.equal(h, h_before)
+    y, h, h_before, leaves, grads, (_, in_h), scratch = run(h_is_private=True, retain_graph=True)
+    assert torch.equal(h, h_before) and not in_h and not scratch
     y.backward(dy)  # the retained graph still holds the forward's h: the same gradients, accumulated
     for leaf, g, e in zip(leaves, grads, expected, strict=True):
         assert torch.equal(g, e) and torch.equal(leaf.grad, 2 * e)

@@ -280,6 +280,7 @@ class SymmBackend:
         grad_h_R2I: Tensor,
         grad_dispatch_weights_R: Tensor,
         needs_grad: tuple[bool, bool, bool],
+        grad_h_is_scratch: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         need_dx, need_dweights, need_dw1 = needs_grad
         ws, lay, s = plan.ws, plan.layout, plan.send

@@ -43,6 +43,7 @@ class SymmTritonBackend(SymmStatePlans):
         grad_h_R2I: Tensor,
         grad_dispatch_weights_R: Tensor,
         needs_grad: tuple[bool, bool, bool],
+        grad_h_is_scratch: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         grads = ops.stage1_backward(
             x_TH, w1_G2IH, grad_h_R2I, grad_dispatch_weights_R, list(plan.state), plan.group_name,

@@ -38,6 +38,7 @@ from megamoe.backends.triton_fp8.quantize import (
     quantize_rows,
     quantize_segments,
     segment_block_starts,
+    segments_in,
 )
 from megamoe.backends.triton_fp8.swiglu import swiglu_backward_quant, swiglu_quant
 from megamoe.backends.triton_fp8.weights import weight_cache
@@ -217,16 +218,31 @@ class FP8Experts:
         return out
 
     def wgrad1(
-        self, grad_h_R2I: Tensor, rows: Tensor, w1_G2IH: Tensor, plan: RowPlan, a_rows: Tensor | None
+        self,
+        grad_h_R2I: Tensor,
+        rows: Tensor,
+        w1_G2IH: Tensor,
+        plan: RowPlan,
+        a_rows: Tensor | None,
+        scratch: Tensor | None = None,
     ) -> Tensor:
-        """``dW1 = t(dh)^T t(x)``, both along R; ``t(x)`` made and used in column chunks
-        (:func:`~megamoe.backends.triton.configs.column_chunks`), so it never lives whole beside dW1. Each
-        column's 1×128 tiles along R are the same in a chunk as in the whole: the same bits."""
+        """``dW1 = t(dh)^T t(x)``, both along R. With ``scratch`` (``grad_h_R2I`` itself when no one reads
+        it after this call), ``t(x)`` is made whole in its bytes once ``t(dh)`` is made, if it fits: one
+        wgrad, and no buffer for it beside dW1. Otherwise ``t(x)`` is made and used in column chunks
+        (:func:`~megamoe.backends.triton.configs.column_chunks`), so it never lives whole beside dW1.
+        Each column's 1×128 tiles along R are the same in a chunk as in the whole: the same bits."""
         dw1 = torch.empty_like(w1_G2IH)
         R, H = grad_h_R2I.shape[0], rows.shape[1]
         if not R:
             return dw1.zero_()
-        p = self._along_r(grad_h_R2I, plan, None)
+        p = self._along_r(grad_h_R2I, plan, None)  # the last read of grad_h
+        in_scratch = None if scratch is None else segments_in(scratch, H, plan.num_blocks)
+        if in_scratch is not None:
+            r = plan.routing
+            q = quantize_segments(
+                rows, r.expert_start_G1, plan.block_start_G1, plan.num_blocks, index_R=a_rows, out=in_scratch
+            )
+            return self._wgrad(p, q, dw1, plan)
         for columns in column_chunks(R, H, 1, self._wgrad_block_n(dw1.device)):
             q = self._along_r(rows[:, slice(*columns)], plan, a_rows)
             self._wgrad(p, q, dw1[:, :, slice(*columns)], plan)

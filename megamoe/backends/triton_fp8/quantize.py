@@ -191,6 +191,25 @@ def empty_segments(cols: int, num_blocks: int, device: torch.device) -> FP8Tenso
     )
 
 
+def segments_in(buffer: Tensor, cols: int, num_blocks: int) -> FP8Tensor | None:
+    """An :func:`empty_segments` operand laid out in ``buffer``'s bytes (contiguous, no longer read), or
+    None when it does not fit: E4M3 data from its start, the scales from the next 16-byte boundary."""
+    data_bytes = cols * num_blocks * TILE
+    scale_at = -(-data_bytes // 16) * 16
+    if (
+        not buffer.is_contiguous()
+        or scale_at + 4 * cols * num_blocks > buffer.numel() * buffer.element_size()
+    ):
+        return None
+    raw = buffer.view(-1).view(torch.uint8)
+    scales = raw[scale_at : scale_at + 4 * cols * num_blocks].view(torch.float32)
+    return FP8Tensor(
+        data=raw[:data_bytes].view(torch.float8_e4m3fn).view(cols, num_blocks * TILE),
+        scale=scales.view(num_blocks, cols).t(),
+        tile=(1, TILE),
+    )
+
+
 def quantize_segments(
     src_RX: Tensor,
     row_start_G1: Tensor,
@@ -198,13 +217,15 @@ def quantize_segments(
     num_blocks: int,
     *,
     index_R: Tensor | None = None,
+    out: FP8Tensor | None = None,
 ) -> FP8Tensor:
     """The packed wgrad operand of ``src_RX`` (rows ``src_RX[index_R[r]]`` with ``index_R``: the fused
-    dispatch gather): columns past ``128 block_start[G]`` are left unwritten and never read."""
+    dispatch gather): columns past ``128 block_start[G]`` are left unwritten and never read. Written
+    into ``out`` when given (an :func:`empty_segments`-shaped operand, e.g. from :func:`segments_in`)."""
     _check_rows(src_RX)
     X = src_RX.shape[1]
     G = row_start_G1.shape[0] - 1
-    out = empty_segments(X, num_blocks, src_RX.device)
+    out = empty_segments(X, num_blocks, src_RX.device) if out is None else out
     if num_blocks == 0 or X == 0 or G == 0:
         return out
     cuda = src_RX.device.type == "cuda"

@@ -160,7 +160,9 @@ class MXFP8SymmBackend(SymmStatePlans):
     def stage2_backward(self, h_R2I, dispatch_weights_R, w2_GHI, plan, dy_TH, needs_grad, overwrite_h=False):
         return stage2_backward(self.experts, h_R2I, dispatch_weights_R, w2_GHI, plan, dy_TH, needs_grad)
 
-    def stage1_backward(self, x_TH, w1_G2IH, plan, grad_h_R2I, grad_dispatch_weights_R, needs_grad):
+    def stage1_backward(
+        self, x_TH, w1_G2IH, plan, grad_h_R2I, grad_dispatch_weights_R, needs_grad, grad_h_is_scratch=False
+    ):
         return stage1_backward(
             self.experts, x_TH, w1_G2IH, plan, grad_h_R2I, grad_dispatch_weights_R, needs_grad
         )

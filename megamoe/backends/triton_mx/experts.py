@@ -201,9 +201,15 @@ class MXExperts:
         return out
 
     def wgrad1(
-        self, grad_h_R2I: Tensor, rows: Tensor, w1_G2IH: Tensor, plan: RowPlan, a_rows: Tensor | None
+        self,
+        grad_h_R2I: Tensor,
+        rows: Tensor,
+        w1_G2IH: Tensor,
+        plan: RowPlan,
+        a_rows: Tensor | None,
+        scratch: Tensor | None = None,
     ) -> Tensor:
-        """``dW1 = q(dh)^T q(x)``, both along R."""
+        """``dW1 = q(dh)^T q(x)``, both along R (each in its own buffer: ``scratch`` is not used)."""
         dw1 = torch.zeros_like(w1_G2IH)
         if grad_h_R2I.shape[0]:
             p = self._along_r(grad_h_R2I, plan, None)

@@ -79,6 +79,45 @@ def test_dw1_from_t_x_made_in_column_chunks_has_the_same_bits(monkeypatch) -> No
         assert torch.equal(chunked[name], whole[name]), name
 
 
+def test_dw1_from_t_x_made_in_grad_h_bytes_has_the_same_bits(monkeypatch) -> None:
+    """When stage 2 wrote ``dh`` over the layer's private ``h``, ``t(x)`` for dW1 is made whole in those
+    bytes once ``t(dh)`` is made: the same gradients, bit for bit, as from its own buffers (a retained
+    graph keeps ``h``, so there it gets them)."""
+    from megamoe.backends.triton_fp8 import experts
+
+    placed = []
+    segments_in = experts.segments_in
+    monkeypatch.setattr(
+        experts, "segments_in", lambda *a: placed.append(segments_in(*a) is not None) or segments_in(*a)
+    )
+    x, idx, tw, w1, w2, dy = _case(23, 48, 80, 5, 3, drop=0.15, empty=2)
+
+    def grads(retain_graph: bool) -> tuple[torch.Tensor, ...]:
+        leaves = [t.clone().requires_grad_() for t in (x, tw, w1, w2)]
+        y = fused_mega_moe(leaves[0], idx, *leaves[1:], backend="triton", precision="fp8")
+        return torch.autograd.grad(y, leaves, dy, retain_graph=retain_graph)
+
+    in_scratch = grads(retain_graph=False)
+    assert placed == [True]
+    own_buffers = grads(retain_graph=True)
+    assert placed == [True]  # not asked: grad_h was not scratch
+    for name, a, b in zip(GRADS[1:], in_scratch, own_buffers, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_t_x_goes_in_scratch_bytes_only_where_it_fits() -> None:
+    """``segments_in`` lays the operand out in the buffer (data, then scales 16-byte aligned) or says no."""
+    from megamoe.backends.triton_fp8.quantize import segments_in
+
+    cols, blocks = 48, 3  # data 48 * 384 = 18432 bytes, scales 576 bytes from 18432
+    fits = torch.empty(19008 // 2, dtype=torch.bfloat16)
+    op = segments_in(fits, cols, blocks)
+    assert op.data.shape == (cols, 384) and op.scale.shape == (cols, blocks)
+    assert op.data.data_ptr() == fits.data_ptr() and op.scale.data_ptr() == fits.data_ptr() + 18432
+    assert segments_in(fits[:-1], cols, blocks) is None
+    assert segments_in(torch.empty(200, 100, dtype=torch.bfloat16)[:, :96], cols, blocks) is None  # strided
+
+
 @pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
 def test_backward_frees_its_largest_temporaries_before_the_weight_gradients(monkeypatch, precision) -> None:
     """Stage 2's fp32 ``da [R, I]`` is freed before dW2's wgrad, and stage 1's ``dx`` rows ``[R, H]``
