@@ -262,7 +262,8 @@ def test_triton_fails_on_an_expert_id_outside_the_experts(bad: int) -> None:
     assert "expert ids must be in [0, 4) or -1" in run.stderr, run.stderr[-3000:]
 
 
-def test_backward_peak_is_one_h_lower_when_dh_is_written_over_a_private_h() -> None:
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_backward_peak_is_one_h_lower_when_dh_is_written_over_a_private_h(precision: str) -> None:
     """Stage 2's backward writes ``dh`` over a private ``h``: its peak (``h``, ``dh``, the gathered
     ``dy`` rows, ``w a`` and dW2 alive together) drops by one ``[R, 2I]`` buffer. With I large against H
     that moment is the backward's peak either way, so the whole peak drops by ``h``'s bytes."""
@@ -274,7 +275,7 @@ def test_backward_peak_is_one_h_lower_when_dh_is_written_over_a_private_h() -> N
 
     def backward_peak(h_is_private: bool) -> tuple[int, int, tuple[torch.Tensor, ...]]:
         h, dispatch_weights, handle = dispatch_grouped_gemm(
-            leaves[0], idx, leaves[1], leaves[2], backend="triton"
+            leaves[0], idx, leaves[1], leaves[2], backend="triton", precision=precision
         )
         y = grouped_gemm_combine(h, dispatch_weights, handle, leaves[3], h_is_private=h_is_private)
         h_bytes = h.numel() * h.element_size()
