@@ -81,3 +81,42 @@ def test_bench_cached_weights_is_for_quantised_precisions():
         main, ["--precision", "mxfp8", "--cached-weights", "--num-processes", "2", "--dry-run"]
     )
     assert result.exit_code == 2 and "one GPU only" in result.output, result.output
+
+
+def test_each_peak_is_measured_with_no_gradient_left_on_any_leaf(monkeypatch):
+    """The timed rounds leave ``.grad`` on the (shared) leaves; a peak taken then would not count the
+    weight gradients that autograd adds in place into them. Every implementation's peak is taken with no
+    gradient on any leaf (the timing and the peak are stubbed: no GPU here)."""
+    from benchmarks import bench
+
+    x, w1 = torch.zeros(2, 2, requires_grad=True), torch.zeros(2, 2, requires_grad=True)
+
+    def forward():
+        return x * w1
+
+    cases = [("megamoe", forward, [x, w1]), ("baseline", forward, [x, w1])]
+    grads_at_peak = []
+
+    def timed_rounds(timed):
+        for fn, _ in timed:
+            fn()  # leaves .grad set, as the timed rounds do
+        return [1.0] * len(timed)
+
+    def peak(fn):
+        grads_at_peak.append([leaf.grad is not None for leaf in (x, w1)])
+        fn()
+        return 0.0
+
+    monkeypatch.setattr(bench, "time_interleaved", timed_rounds)
+    monkeypatch.setattr(bench, "peak_gib", peak)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    results = bench._time_cases(
+        "layer",
+        "tiny",
+        bench.ModelShape(hidden=2, inter=2, experts=2, topk=1, tokens=2),
+        "uniform",
+        cases,
+        False,
+    )
+    assert [r.impl for r in results] == ["megamoe", "baseline"] * 2
+    assert grads_at_peak == [[False, False]] * 4
