@@ -144,10 +144,12 @@ class FP8Experts:
         return wgrad_config(device).block_n
 
     @staticmethod
-    def _along_r(src: Tensor, plan: RowPlan, index_R: Tensor | None) -> FP8Tensor:
+    def _along_r(
+        src: Tensor, plan: RowPlan, index_R: Tensor | None, out: FP8Tensor | None = None
+    ) -> FP8Tensor:
         r = plan.routing
         return quantize_segments(
-            src, r.expert_start_G1, plan.block_start_G1, plan.num_blocks, index_R=index_R
+            src, r.expert_start_G1, plan.block_start_G1, plan.num_blocks, index_R=index_R, out=out
         )
 
     @staticmethod
@@ -238,11 +240,7 @@ class FP8Experts:
         p = self._along_r(grad_h_R2I, plan, None)  # the last read of grad_h
         in_scratch = None if scratch is None else segments_in(scratch, H, plan.num_blocks)
         if in_scratch is not None:
-            r = plan.routing
-            q = quantize_segments(
-                rows, r.expert_start_G1, plan.block_start_G1, plan.num_blocks, index_R=a_rows, out=in_scratch
-            )
-            return self._wgrad(p, q, dw1, plan)
+            return self._wgrad(p, self._along_r(rows, plan, a_rows, out=in_scratch), dw1, plan)
         for columns in column_chunks(R, H, 1, self._wgrad_block_n(dw1.device)):
             q = self._along_r(rows[:, slice(*columns)], plan, a_rows)
             self._wgrad(p, q, dw1[:, :, slice(*columns)], plan)
