@@ -14,7 +14,7 @@
 # compiled (QUACK_COMPILE_WORKERS processes, here one per core) and timed, minutes per model. The
 # choices are kept on disk (QUACK_CACHE_AUTOTUNING=1) and packed after every step, finished or not,
 # into $OUT/quack-autotune.tar.gz; put that file in PEER (or over benchmarks/results/
-# sonic-quack-autotune-h200.tar.gz) and the next run, on a fresh machine too, compiles only the
+# sonic-quack-autotune.tar.gz) and the next run, on a fresh machine too, compiles only the
 # chosen configs. Where a call is limited to 10 minutes, run one model per call.
 # TIMELINE=1 also writes each model's per-kernel timeline of MegaMoE and of SonicMoE (first routing
 # only; python -m benchmarks.profile_layer --impl megamoe|sonic) to $OUT/timeline-<impl>-<model>.md.
@@ -40,8 +40,9 @@ export PYTHONUNBUFFERED=1
 export QUACK_CACHE_AUTOTUNING=1 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/tmp/quack_cache}
 export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
 mkdir -p "$QUACK_CACHE_DIR"
-# the tuning an earlier run packed: PEER's, else the one kept with the results (one H200, partial)
-for tuning in "$peer/quack-autotune.tar.gz" benchmarks/results/sonic-quack-autotune-h200.tar.gz; do
+# the tuning an earlier run packed: PEER's, else the one kept with the results (partial: the H200's
+# DeepSeek-V3 and Qwen3-235B-A22B, an H100's Qwen3-30B-A3B)
+for tuning in "$peer/quack-autotune.tar.gz" benchmarks/results/sonic-quack-autotune.tar.gz; do
   if [ -f "$tuning" ]; then
     tar -xzf "$tuning" -C "$QUACK_CACHE_DIR" && echo "restored SonicMoE's tuning from $tuning"
     break
