@@ -261,15 +261,15 @@ def _time_cases(
         phases["fwd"].append((fwd, leaves))
         if not fwd_only:
             phases["fwd+bwd"].append((fwd_bwd, leaves))
+    every_leaf = [leaf for _, _, leaves in cases for leaf in leaves]
     results = []
     for phase, timed in phases.items():
         mult = 1 if phase == "fwd" else 3
         times = time_interleaved(timed)
         for (impl, _, _), (fn, _), ms in zip(cases, timed, times, strict=True):
             tflops = mult * _flops(mode, shape, rows) / (ms * 1e-3) / 1e12
-            for _, _, leaves in cases:  # no .grad left by the timed rounds: each peak counts its gradients
-                for leaf in leaves:
-                    leaf.grad = None
+            for leaf in every_leaf:  # no .grad left by the timed rounds: each peak counts its gradients
+                leaf.grad = None
             results.append(Result(name, routing, mode, phase, impl, ms, tflops, peak_gib(fn)))
     return results
 
