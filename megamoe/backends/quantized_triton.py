@@ -30,6 +30,7 @@ Triton launches: eager and CUDA graphs, not ``torch.compile(fullgraph=True)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,6 +43,9 @@ from megamoe.backends.triton.configs import block_m
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton.rows import Rows, Transport
 from megamoe.quant.cache import WeightCache
+
+ColumnSink = Callable[[Tensor, int], None]
+"""``sink(rows [R, width], first_column)``: takes a column range of a GEMM's output rows."""
 
 
 class RowExperts(Protocol):
@@ -75,7 +79,10 @@ class RowExperts(Protocol):
         need_dw2: bool,
     ) -> tuple[Tensor, Tensor, Tensor | None]: ...
 
-    def dgrad1(self, grad_h_R2I: Tensor, w1_G2IH: Tensor, plan: Any) -> Tensor: ...
+    def dgrad1(self, grad_h_R2I: Tensor, w1_G2IH: Tensor, plan: Any, sink: ColumnSink) -> None:
+        """``dx rows [R, H] = q(dh) q(W1^T)^T`` handed to ``sink`` in column ranges (padding rows not
+        written): each range is dropped once ``sink`` returns, so the expert math sets how many columns
+        of rows are alive at a time."""
 
     def wgrad1(
         self,
@@ -190,9 +197,12 @@ class QuantizedTritonBackend(TransportBackend):
             if not grad_h.shape[0]:
                 dx.zero_()
             else:
-                dx_rows = self.experts.dgrad1(grad_h, w1_G2IH, plan.rows)
-                combine(dx_rows, r.slot_row_S, dx, topk=r.topk, weights_R=None)
-                del dx_rows  # [R, H]: not alive beside dW1 and its operands
+
+                def combine_columns(dx_rows: Tensor, first: int) -> None:
+                    columns = dx[:, first : first + dx_rows.shape[1]]
+                    combine(dx_rows, r.slot_row_S, columns, topk=r.topk, weights_R=None)
+
+                self.experts.dgrad1(grad_h, w1_G2IH, plan.rows, combine_columns)
             dx = plan.moved.tokens_out(dx, x_TH.dtype)
         if need_dw1:
             scratch = grad_h if grad_h_is_scratch else None  # read last by wgrad1: dgrad1 is done

@@ -75,6 +75,16 @@ class FP8Tensor:
     def nbytes(self) -> int:
         return self.data.nbytes + self.scale.nbytes
 
+    def narrow(self, dim: int, start: int, length: int) -> FP8Tensor:
+        """The elements ``[start, start + length)`` along ``dim`` with their tiles' scales, as views (no
+        copy); ``start`` must begin a tile."""
+        extent = self.tile[dim]
+        if start % extent:
+            raise ValueError(f"start {start} along dim {dim} is inside a tile of {extent}")
+        stop = min(-(-(start + length) // extent), self.scale.shape[dim])
+        scale = self.scale.narrow(dim, start // extent, stop - start // extent)
+        return FP8Tensor(self.data.narrow(dim, start, length), scale, self.tile)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The represented values ``e4m3 * s`` (exact in float64), rounded once to ``dtype``."""
         scale = self.scale

@@ -30,6 +30,8 @@ def _combine_kernel(
     weight_ptr,
     out_ptr,
     H,
+    stride_rows,
+    stride_out,
     K: tl.constexpr,
     WEIGHTED: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -41,20 +43,26 @@ def _combine_kernel(
     for k in tl.static_range(K):
         r = tl.load(slot_row_ptr + t * K + k)
         if r >= 0:
-            v = tl.load(rows_ptr + r.to(tl.int64) * H + offs, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(rows_ptr + r.to(tl.int64) * stride_rows + offs, mask=mask, other=0.0).to(tl.float32)
             if WEIGHTED:
                 v = v * tl.load(weight_ptr + r).to(tl.float32)
             acc += v
-    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def combine(
     rows_RH: Tensor, slot_row_S: Tensor, out_TH: Tensor, *, topk: int, weights_R: Tensor | None
 ) -> None:
-    """Write ``out_TH`` from the expert-sorted ``rows_RH`` (``weights_R`` scales each row first)."""
+    """Write ``out_TH`` from the expert-sorted ``rows_RH`` (``weights_R`` scales each row first). Either may
+    be a column range of a wider tensor (rows strided, columns contiguous)."""
     T, H = out_TH.shape
     if T == 0:
         return
+    if rows_RH.shape[1] != H or rows_RH.stride(1) != 1 or out_TH.stride(1) != 1:
+        raise ValueError(
+            f"rows {tuple(rows_RH.shape)} (strides {rows_RH.stride()}) into out {tuple(out_TH.shape)} "
+            f"(strides {out_TH.stride()}): both need H={H} contiguous columns"
+        )
     block_h = min(next_power_of_2(H), 2048)
     _combine_kernel[(T, cdiv(H, block_h))](
         rows_RH,
@@ -62,6 +70,8 @@ def combine(
         weights_R,
         out_TH,
         H,
+        rows_RH.stride(0),
+        out_TH.stride(0),
         K=topk,
         WEIGHTED=weights_R is not None,
         BLOCK_H=block_h,

@@ -10,7 +10,7 @@ format (the emulation's table, :mod:`megamoe.backends.quantized_reference`):
     fc2 fwd    o = t(a) b(W2)^T                     SwiGLU pass emits t(a)
     fc2 dgrad  da = t(dy)[row_token] b(W2^T)^T      fp32 out; SwiGLU backward emits dh, d_w, t(w a)
     fc2 wgrad  dW2 = t(dy)^T t(w a) along R         segment quantiser (dy gathered) + K-grouped GEMM
-    fc1 dgrad  dx rows = t(dh) b(W1^T)^T            rowwise quantiser + GEMM; the transport combines
+    fc1 dgrad  dx rows = t(dh) b(W1^T)^T            rowwise quantiser + GEMM in column ranges; the transport combines
     fc1 wgrad  dW1 = t(dh)^T t(x) along R           segment quantiser (x gathered) + K-grouped GEMM
 
 On Hopper the M-grouped GEMMs run the warp-specialised Gluon kernel of :mod:`.wgmma_gemm` (fc1 fwd and
@@ -21,12 +21,14 @@ The weight gradients write every element, so their outputs start uninitialised (
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from megamoe.backends.triton.configs import column_chunks, num_programs
+from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton.padding import zero_padding_rows
 from megamoe.backends.triton.routing import RoutingPlan
 from megamoe.backends.triton.rows import Rows
@@ -66,6 +68,15 @@ class RowPlan:
     @property
     def valid_rows_1(self) -> Tensor:
         return self.routing.expert_start_G1[-1:]
+
+
+def dgrad1_columns(rows: int, cols: int, weight_rows: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges of fc1-dgrad's ``cols`` output columns, as few as keep a range's ``rows``
+    rows within dW1's ``weight_rows x cols`` elements (up to rounding each width but the last to a
+    multiple of 128, a weight block's)."""
+    count = max(1, cdiv(rows, max(weight_rows, 1)))
+    width = cdiv(cdiv(cols, count), TILE) * TILE
+    return [(start, min(start + width, cols)) for start in range(0, cols, width)]
 
 
 class FP8Experts:
@@ -211,13 +222,25 @@ class FP8Experts:
             dw2 = self._wgrad(q_dy, aw, torch.empty_like(w2_GHI), plan)
         return dh, d_weights, dw2
 
-    def dgrad1(self, grad_h_R2I: Tensor, w1_G2IH: Tensor, plan: RowPlan) -> Tensor:
-        """``dx rows [R, H] = t(dh) b(W1^T)^T`` (the combine's input; padding rows not written)."""
-        out = grad_h_R2I.new_empty(grad_h_R2I.shape[0], w1_G2IH.shape[2])
-        if out.numel():
-            g_rows = quantize_rows(grad_h_R2I, valid_rows_1=plan.valid_rows_1)
-            self._gemm(g_rows, self._w(w1_G2IH, transposed=True), out, plan, None)
-        return out
+    def dgrad1(
+        self, grad_h_R2I: Tensor, w1_G2IH: Tensor, plan: RowPlan, sink: Callable[[Tensor, int], None]
+    ) -> None:
+        """``dx rows [R, H] = t(dh) b(W1^T)^T`` handed to ``sink`` in column ranges (padding rows not
+        written). A range's rows are no larger than dW1, so they and the rowwise ``t(dh)`` beside them
+        stay under dW1's wgrad, where ``t(dh)`` along R (about as large) sits beside dW1."""
+        R, H = grad_h_R2I.shape[0], w1_G2IH.shape[2]
+        if not R * H:
+            return
+        g_rows = quantize_rows(grad_h_R2I, valid_rows_1=plan.valid_rows_1)
+        w = self._w(w1_G2IH, transposed=True)
+
+        def columns(start: int, end: int) -> Tensor:
+            out = grad_h_R2I.new_empty(R, end - start)
+            self._gemm(g_rows, w.narrow(1, start, end - start), out, plan, None)
+            return out
+
+        for start, end in dgrad1_columns(R, H, w1_G2IH.numel() // H):
+            sink(columns(start, end), start)  # no name holds a range: it is freed before the next is made
 
     def wgrad1(
         self,

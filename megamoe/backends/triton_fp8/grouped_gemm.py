@@ -124,8 +124,8 @@ def fp8_grouped_gemm(
     """Write ``out [R, N]`` (rows of the plan's tiles only) from FP8 ``a`` and ``b [G, N, K]``.
 
     ``a`` is ``[R, K]`` expert-sorted, or ``[T, K]`` read through ``a_rows [R]`` (the fused dispatch),
-    in 1×128 tiles along K; ``b`` in 128×128 blocks, its data contiguous. K must be a multiple of 16
-    (TMA's 16-byte row stride for E4M3).
+    in 1×128 tiles along K; ``b`` in 128×128 blocks, each expert's rows contiguous (a range of a wider
+    weight's rows too). K must be a multiple of 16 (TMA's 16-byte row stride for E4M3).
     """
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if bk != TILE or TILE % bn:

@@ -113,6 +113,7 @@ def _producer(
     b_scale_ptr,
     N,
     K,
+    b_rows,
     stride_as_r,
     stride_as_k,
     stride_bs_g,
@@ -124,7 +125,7 @@ def _producer(
     STAGES: gl.constexpr,
 ):
     """One warp: the loads of every step into the ring, a stage refilled once both consumers released
-    it. B is viewed ``[G N, K]``: an expert's rows start at ``expert * N``. A stage's scales: the rows'
+    it. B is viewed as rows of K: an expert's N rows start at ``expert * b_rows``. A stage's scales: the rows'
     in two 64-row halves (zeros past the segment), the weight block's repeated 64 times."""
     sched = _schedule(num_tiles_ptr, N, K, num_programs, BLOCK_N)
     coords = _before_first_step(K)
@@ -144,7 +145,7 @@ def _producer(
         async_copy.mbarrier_arrive(bar)  # ready also waits for these copies
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(a_desc, [r0, kb * 128], bar, a_bufs.index(stage))
-        tma.async_copy_global_to_shared(b_desc, [expert * N + n0, kb * 128], bar, b_bufs.index(stage))
+        tma.async_copy_global_to_shared(b_desc, [expert * b_rows + n0, kb * 128], bar, b_bufs.index(stage))
 
 
 @gluon.jit
@@ -228,6 +229,7 @@ def _wgmma_fp8_gemm_kernel(
     num_tiles_ptr,
     N,
     K,
+    b_rows,
     stride_as_r,
     stride_as_k,
     stride_bs_g,
@@ -256,7 +258,7 @@ def _wgmma_fp8_gemm_kernel(
             (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, tiles_ptr, num_tiles_ptr, c_ptr, N, K,
                          stride_c, num_programs, gl.constexpr(1), BLOCK_N, GROUP_M, STAGES)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, tiles_ptr, num_tiles_ptr,
-                         a_scale_ptr, b_scale_ptr, N, K, stride_as_r, stride_as_k, stride_bs_g, stride_bs_n,
+                         a_scale_ptr, b_scale_ptr, N, K, b_rows, stride_as_r, stride_as_k, stride_bs_g, stride_bs_n,
                          stride_bs_k, num_programs, BLOCK_N, GROUP_M, STAGES)),
         ],
         [4, 1],
@@ -328,8 +330,9 @@ def wgmma_fp8_grouped_gemm(
     a: FP8Tensor, b: FP8Tensor, out: Tensor, plan: RoutingPlan, *, config: TileConfig, num_sms: int
 ) -> None:
     """Write ``out [R, N]`` (rows of the plan's tiles only; bf16 or fp32) from expert-sorted FP8
-    ``a [R, K]`` in 1×128 tiles and ``b [G, N, K]`` in 128×128 blocks (data contiguous, K a multiple of
-    16), on a GPU where :func:`supported`."""
+    ``a [R, K]`` in 1×128 tiles and ``b [G, N, K]`` in 128×128 blocks (K a multiple of 16; ``b``'s rows
+    contiguous, each expert's at any multiple of K: a range of a wider weight's rows), on a GPU where
+    :func:`supported`."""
     bn = config.block_n
     if (config.block_m, config.block_k, config.num_warps) != (TILE, TILE, 4) or TILE % bn:
         raise ValueError(
@@ -344,13 +347,18 @@ def wgmma_fp8_grouped_gemm(
             f"a {tuple(a.data.shape)} in tiles {a.tile}, b {tuple(b.data.shape)} in tiles {b.tile}: "
             "expected [*, K] in 1x128 tiles and [G, N, K] in 128x128 blocks, K a multiple of 16"
         )
+    g_stride, n_stride, k_stride = b.data.stride()
+    if g_stride % K or n_stride != K or k_stride != 1:
+        raise ValueError(f"b's strides {b.data.stride()}: each expert's [N, K] rows must be contiguous")
+    b_rows = g_stride // K
     a_layout = gl.NVMMASharedLayout.get_default_for([TILE, TILE], gl.float8e4nv)
     b_layout = gl.NVMMASharedLayout.get_default_for([bn, TILE], gl.float8e4nv)
     a_desc = TensorDescriptor.from_tensor(a.data, [TILE, TILE], a_layout)
-    b_desc = TensorDescriptor.from_tensor(b.data.view(G * N, K), [bn, TILE], b_layout)  # expert g at row g N
+    b_2d = b.data.as_strided(((G - 1) * b_rows + N if G else 0, K), (K, 1))  # expert g's from row g b_rows
+    b_desc = TensorDescriptor.from_tensor(b_2d, [bn, TILE], b_layout)
     grid = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * cdiv(N, bn)))
     _wgmma_fp8_gemm_kernel[(grid,)](
-        a_desc, b_desc, a.scale, b.scale, out, plan.tiles_X3, plan.num_tiles_1, N, K, a.scale.stride(0),
+        a_desc, b_desc, a.scale, b.scale, out, plan.tiles_X3, plan.num_tiles_1, N, K, b_rows, a.scale.stride(0),
         a.scale.stride(1), b.scale.stride(0), b.scale.stride(1), b.scale.stride(2), out.stride(0), grid,
         BLOCK_N=bn, GROUP_M=config.group_m, STAGES=config.num_stages, CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4,

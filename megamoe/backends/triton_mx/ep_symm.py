@@ -131,7 +131,7 @@ def stage1_backward(
     rows = row_plan(plan.recv)
     transport.begin(plan, x)
     x_rows, index, _ = transport.dispatch_rows(plan, x)  # x again, for dW1 (always: a peer may need it)
-    experts.dgrad1(grad_h, w1_G2IH, rows, _to_sources(plan, scalar_P=grad_dispatch_weights_P))
+    experts.dgrad1(grad_h, w1_G2IH, rows, remote=_to_sources(plan, scalar_P=grad_dispatch_weights_P))
     transport.wait_returned(plan)
     dx = transport.combine_rows(plan) if need_dx else None
     d_weights = transport.returned_scalars(plan, grad_dispatch_weights_P.dtype) if need_dweights else None

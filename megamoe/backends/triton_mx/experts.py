@@ -11,6 +11,7 @@ transport already filled), and writes per-row outputs; the transport does the co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -190,15 +191,21 @@ class MXExperts:
         return dh, d_weights, dw2
 
     def dgrad1(
-        self, grad_h_R2I: Tensor, w1_G2IH: Tensor, plan: RowPlan, remote: RemoteRows | None = None
-    ) -> Tensor | None:
-        """``dx rows [R, H] = q(dh) q(W1^T)^T`` (the combine's input; padding rows not written), or None
-        with ``remote``: the rows went to their sources (with ``remote.scalar_R``)."""
+        self,
+        grad_h_R2I: Tensor,
+        w1_G2IH: Tensor,
+        plan: RowPlan,
+        sink: Callable[[Tensor, int], None] | None = None,
+        remote: RemoteRows | None = None,
+    ) -> None:
+        """``dx rows [R, H] = q(dh) q(W1^T)^T`` (padding rows not written), handed whole to ``sink``, or
+        with ``remote`` sent to their sources (with ``remote.scalar_R``)."""
         out = None if remote else grad_h_R2I.new_empty(grad_h_R2I.shape[0], w1_G2IH.shape[2])
         if remote or out.numel():
             g_rows = quantize_rows(grad_h_R2I, valid_rows_1=plan.valid_rows_1)
             self._gemm(g_rows, self._w(w1_G2IH, transposed=True), out, plan, None, remote)
-        return out
+        if sink is not None and out is not None and out.numel():
+            sink(out, 0)
 
     def wgrad1(
         self,

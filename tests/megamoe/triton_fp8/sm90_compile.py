@@ -52,9 +52,10 @@ def _gemm(*, gather: bool, rows: int, N: int, K: int, out: str) -> tuple:
     return _fp8_grouped_gemm_kernel, args, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
-def _wgmma_gemm(*, N: int, K: int, out: str) -> tuple:
+def _wgmma_gemm(*, N: int, K: int, out: str, b_rows: int | None = None) -> tuple:
     """wgmma_gemm.wgmma_fp8_grouped_gemm: A ``[R, K]`` gathered or quantised in row order (scales
-    ``[KB, R]`` storage), B viewed ``[G N, K]``, both with the kernel's NVMMA shared layouts."""
+    ``[KB, R]`` storage), B viewed as rows of K, an expert's every ``b_rows`` (N: the whole weight), both
+    with the kernel's NVMMA shared layouts."""
     cfg = GPU_WGMMA
     kb, nb = -(-K // TILE), -(-N // TILE)
     a_layout = repr(gl.NVMMASharedLayout.get_default_for([cfg.block_m, TILE], gl.float8e4nv))
@@ -62,7 +63,7 @@ def _wgmma_gemm(*, N: int, K: int, out: str) -> tuple:
     args = dict(
         a_desc=f"tensordesc<fp8e4nv[{cfg.block_m},{TILE}],{a_layout}>",
         b_desc=f"tensordesc<fp8e4nv[{cfg.block_n},{TILE}],{b_layout}>", a_scale_ptr="*fp32", b_scale_ptr="*fp32",
-        c_ptr=out, tiles_ptr="*i32", num_tiles_ptr="*i32", N=N, K=K, stride_as_r=1, stride_as_k=R,
+        c_ptr=out, tiles_ptr="*i32", num_tiles_ptr="*i32", N=N, K=K, b_rows=b_rows or N, stride_as_r=1, stride_as_k=R,
         stride_bs_g=nb * kb, stride_bs_n=kb, stride_bs_k=1, stride_c=N, num_programs=NUM_SMS * cfg.programs_per_sm,
         BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, CONSUMER_REGS=wgmma_gemm.CONSUMER_REGS,
     )  # fmt: skip
@@ -155,6 +156,9 @@ LAUNCHES = {
     "wgmma gemm, fp32 out (fc2 dgrad)": _wgmma_gemm(N=I, K=H, out="*fp32"),
     "wgmma gemm, bf16 out (fc2 fwd)": _wgmma_gemm(N=H, K=I, out="*bf16"),
     "wgmma gemm, bf16 out (fc1 dgrad)": _wgmma_gemm(N=H, K=2 * I, out="*bf16"),
+    "wgmma gemm, bf16 out (fc1 dgrad, half its columns)": _wgmma_gemm(
+        N=H // 2, K=2 * I, out="*bf16", b_rows=H
+    ),
     "wgrad (K-grouped)": _wgrad(H, I),
     "wgmma wgrad (dW1)": _wgmma_wgrad(2 * I, H),
     "wgmma wgrad (dW2)": _wgmma_wgrad(H, I),

@@ -132,21 +132,31 @@ def test_backward_frees_its_largest_temporaries_before_the_weight_gradients(monk
     module, cls = (
         (fp8_module, fp8_module.FP8Experts) if precision == "fp8" else (mx_module, mx_module.MXExperts)
     )
-    temporaries: dict[str, weakref.ref] = {}
+    temporaries: dict[str, list[weakref.ref]] = {}
     checked: list[str] = []
 
     def tracking(name: str, fn, grab):
         def wrapped(*args, **kwargs):
             out = fn(*args, **kwargs)
-            temporaries[name] = weakref.ref(grab(args, out))
+            temporaries.setdefault(name, []).append(weakref.ref(grab(args, out)))
             return out
+
+        return wrapped
+
+    def tracking_sink(fn):
+        def wrapped(self, grad_h, w1, plan, sink):
+            def tracked(rows, first):
+                temporaries.setdefault("dx rows", []).append(weakref.ref(rows))
+                sink(rows, first)
+
+            return fn(self, grad_h, w1, plan, tracked)
 
         return wrapped
 
     def freed_before(temporary: str, fn):
         def wrapped(*args, **kwargs):
             if temporary in temporaries:
-                alive = temporaries[temporary]() is not None
+                alive = any(ref() is not None for ref in temporaries[temporary])
                 assert not alive, f"{temporary} is alive at {fn.__name__}"
                 checked.append(temporary)
             return fn(*args, **kwargs)
@@ -156,7 +166,7 @@ def test_backward_frees_its_largest_temporaries_before_the_weight_gradients(monk
     monkeypatch.setattr(
         module, "swiglu_backward_quant", tracking("da", module.swiglu_backward_quant, lambda a, out: a[1])
     )
-    monkeypatch.setattr(cls, "dgrad1", tracking("dx rows", cls.dgrad1, lambda a, out: out))
+    monkeypatch.setattr(cls, "dgrad1", tracking_sink(cls.dgrad1))
     along_r = inspect.getattr_static(cls, "_along_r")  # a staticmethod in FP8Experts, a method in MXExperts
     if isinstance(along_r, staticmethod):
         monkeypatch.setattr(cls, "_along_r", staticmethod(freed_before("da", along_r.__func__)))
@@ -168,6 +178,49 @@ def test_backward_frees_its_largest_temporaries_before_the_weight_gradients(monk
     y = fused_mega_moe(leaves[0], idx, *leaves[1:], backend="triton", precision=precision)
     torch.autograd.grad(y, leaves, dy)
     assert {"da", "dx rows"} <= set(checked)
+
+
+def test_dgrad1_output_ranges_are_no_larger_than_dw1() -> None:
+    from megamoe.backends.triton_fp8.experts import dgrad1_columns
+
+    assert dgrad1_columns(65536, 7168, 32 * 4096) == [(0, 7168)]  # DeepSeek-V3: dW1 is larger
+    assert dgrad1_columns(65536, 4096, 16 * 3072) == [(0, 2048), (2048, 4096)]  # Qwen3-235B-A22B
+    assert dgrad1_columns(128, 300, 64) == [(0, 256), (256, 300)]  # 128-wide but the last
+    assert dgrad1_columns(1000, 256, 1) == [(0, 128), (128, 256)]  # never narrower than a weight block
+    assert dgrad1_columns(0, 256, 64) == [(0, 256)]
+
+
+def test_dx_rows_made_in_column_ranges_have_the_bits_of_one_range(monkeypatch) -> None:
+    """More rows than dW1 has: fc1's dgrad makes its ``[R, H]`` output in two column ranges, each freed
+    before the next is made, and every gradient has the bits of making it whole (and matches the
+    emulation)."""
+    import weakref
+
+    from megamoe.backends.triton_fp8 import experts
+
+    T, H, I, G, K = 64, 256, 16, 2, 2
+    case = _case(T, H, I, G, K, drop=0.0, empty=0)
+    assert len(experts.dgrad1_columns(T * K, H, G * 2 * I)) == 2
+    ranges: list[tuple[weakref.ref, int, int]] = []
+    dgrad1 = experts.FP8Experts.dgrad1
+
+    def recording(self, grad_h, w1, plan, sink):
+        def sink_checking(rows, first):
+            assert all(ref() is None for ref, *_ in ranges), "an earlier range is alive"
+            ranges.append((weakref.ref(rows), first, rows.shape[1]))
+            sink(rows, first)
+
+        dgrad1(self, grad_h, w1, plan, sink_checking)
+
+    monkeypatch.setattr(experts.FP8Experts, "dgrad1", recording)
+    in_ranges = _run("triton", *case)
+    assert [r[1:] for r in ranges] == [(0, 128), (128, 128)]
+    _assert_matches(in_ranges, _run("reference", *case))
+    monkeypatch.setattr(experts, "dgrad1_columns", lambda rows, cols, weight_rows: [(0, cols)])
+    whole = _run("triton", *case)
+    assert [r[1:] for r in ranges[2:]] == [(0, 256)]
+    for name in GRADS:
+        assert torch.equal(in_ranges[name], whole[name]), name
 
 
 def test_triton_fp8_weight_cache_follows_an_optimizer_step() -> None:
