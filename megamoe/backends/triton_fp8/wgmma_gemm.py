@@ -125,8 +125,8 @@ def _producer(
     STAGES: gl.constexpr,
 ):
     """One warp: the loads of every step into the ring, a stage refilled once both consumers released
-    it. B is viewed as rows of K: an expert's N rows start at ``expert * b_rows``. A stage's scales: the rows'
-    in two 64-row halves (zeros past the segment), the weight block's repeated 64 times."""
+    it. B is viewed as rows of K: an expert's N rows start at ``expert * b_rows``. A stage's scales:
+    the rows' in two 64-row halves (zeros past the segment), the weight block's repeated 64 times."""
     sched = _schedule(num_tiles_ptr, N, K, num_programs, BLOCK_N)
     coords = _before_first_step(K)
     lanes = gl.arange(0, 64, layout=gl.BlockedLayout([2], [32], [1], [0]))
