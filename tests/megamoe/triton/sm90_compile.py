@@ -284,7 +284,7 @@ def _small_kernels() -> dict:
     for weighted in (True, False):
         combine = dict(
             rows_ptr="*bf16", slot_row_ptr="*i32", weight_ptr="*fp32" if weighted else None, out_ptr="*bf16",
-            H=H, K=TOPK, WEIGHTED=weighted, BLOCK_H=block_h,
+            H=H, stride_rows=H, stride_out=H, K=TOPK, WEIGHTED=weighted, BLOCK_H=block_h,
         )  # fmt: skip
         name = f"combine, {'weighted' if weighted else 'unweighted'}"
         launches[name] = (_combine_kernel, combine, {"num_warps": 4 if block_h <= 1024 else 8})
