@@ -54,8 +54,10 @@ GEMM_REGISTER_CAP = 224
 """registers a thread of an 8-warp GEMM program that a gather runs beside may hold"""
 GATHER_MAX_REGISTERS = (65536 - 256 * GEMM_REGISTER_CAP) // (32 * NUM_WARPS)
 """64: what is left of an SM's 64K registers, over the gather program's 128 threads"""
-SIDE_STREAM_MIN_BYTES = 16 << 20
-"""gathered bytes from which a gather runs on the side stream (16 MiB: about 10 us of an H200's copy)"""
+SIDE_STREAM_MIN_BYTES = 128 << 20
+"""gathered bytes from which a gather runs on the side stream. Below it the fork, the join and the
+persistent launch cost the host more than the copy costs the GPU, and a layer this small is bound by its
+host time: ``benchmarks/ab_small_t_paths.py``, docs/benchmarks.md#small-token-counts-eager-and-in-cuda-graphs."""
 
 
 @triton.jit
