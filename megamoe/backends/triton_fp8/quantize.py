@@ -27,6 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megamoe.backends.triton.grid import cdiv, next_power_of_2
+from megamoe.backends.triton.segments import block_starts
 from megamoe.backends.triton_fp8.fp8_math import (
     TILE,
     quantize_along_cols,
@@ -175,10 +176,9 @@ def _quantize_segments_kernel(
 
 
 def segment_block_starts(row_start_G1: Tensor) -> Tensor:
-    """``block_start [G + 1]`` (int32, on the device, no sync): exclusive prefix sum of ``ceil(rows / 128)``.
-    A static bound on the slots: ``ceil(R / 128) + G``."""
-    blocks = (row_start_G1[1:] - row_start_G1[:-1] + TILE - 1) // TILE
-    return torch.cat([blocks.new_zeros(1), torch.cumsum(blocks, 0)]).to(torch.int32)
+    """``block_start [G + 1]`` (int32, on the device, one launch, no sync): exclusive prefix sum of
+    ``ceil(rows / 128)``. A static bound on the slots: ``ceil(R / 128) + G``."""
+    return block_starts(row_start_G1, block=TILE)
 
 
 def empty_segments(cols: int, num_blocks: int, device: torch.device) -> FP8Tensor:

@@ -27,6 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megamoe.backends.triton.grid import cdiv, next_power_of_2
+from megamoe.backends.triton.segments import block_starts
 from megamoe.backends.triton_mx.mx_math import quantize_along_rows, segment_of_block
 from megamoe.quant.mx import BLOCK, MXTensor
 
@@ -90,10 +91,9 @@ def _quantize_segments_kernel(
 def segment_block_starts(row_start_G1: Tensor, *, align: int = 1) -> Tensor:
     """``block_start [G + 1]`` (int32, on the device, no sync): exclusive prefix sum of ``ceil(rows / 32)``
     rounded up to a multiple of ``align`` (the padding slots are all-zero blocks, so a wgrad stage of
-    ``align`` blocks never reaches the next segment). A static bound on the slots: ``ceil(R / 32) + G * align``."""
-    blocks = (row_start_G1[1:] - row_start_G1[:-1] + BLOCK - 1) // BLOCK
-    blocks = (blocks + align - 1) // align * align
-    return torch.cat([blocks.new_zeros(1), torch.cumsum(blocks, 0)]).to(torch.int32)
+    ``align`` blocks never reaches the next segment). A static bound on the slots: ``ceil(R / 32) + G * align``.
+    One launch."""
+    return block_starts(row_start_G1, block=BLOCK, align=align)
 
 
 def _launch(

@@ -46,6 +46,7 @@ from megamoe.backends.triton.routing import (
     _scatter_kernel,
     _totals_kernel,
 )
+from megamoe.backends.triton.segments import _block_starts_kernel
 from megamoe.backends.triton.side_gather import BLOCK_H as GATHER_BLOCK_H
 from megamoe.backends.triton.side_gather import BLOCK_R as GATHER_BLOCK_R
 from megamoe.backends.triton.side_gather import NUM_WARPS as GATHER_WARPS
@@ -301,6 +302,15 @@ LAUNCHES = {
     # Qwen3-30B-A3B's dW2: fewer tiles per expert than programs, descriptors built for every tile
     "wgrad (K-grouped), 48 tiles per expert": _wgrad(2048, 768),
     **_small_kernels(),
+    # the FP8 and MX wgrad operands' row-block starts, at 256 experts (DeepSeek-V3's at EP = 1)
+    **{
+        f"row-block starts, BLOCK={block} ALIGN={align}": (
+            _block_starts_kernel,
+            dict(row_start_ptr="*i32", block_start_ptr="*i32", G=256, BLOCK=block, ALIGN=align, BINS=256),
+            {"num_warps": 1},
+        )
+        for block, align in ((128, 1), (32, 4))
+    },
     # the routing tables at each bench model's local expert count (their tiles depend on it), and at the
     # fused EP path's send side for DeepSeek-V3 at EP = 2 and 8 (all 64 / 256 experts: 128 bins once
     # compiled to a 17 KB spill, 77 us a call on an H200)
