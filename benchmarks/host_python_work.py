@@ -12,8 +12,8 @@ allocations. The outputs are garbage: nothing here checks them. On a GPU a few p
 backward's small gathers are one ``index_select`` there, a Triton kernel here), so the figures compare
 versions of the code on one machine, not this machine with a GPU host.
 
-Prints, per precision, the median microseconds per fwd+bwd over ``--rounds`` rounds of ``--calls``
-calls; ``--cprofile N`` adds the N functions of most own time.
+Prints, per precision, the microseconds per fwd+bwd of the quickest of ``--rounds`` rounds of
+``--calls`` calls; ``--cprofile N`` adds the N functions of most own time.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import cProfile
 import io
 import os
 import pstats
-import statistics
 import time
 from collections.abc import Callable
 
@@ -69,7 +68,8 @@ def _step(shape: str, tokens: int, precision: str) -> Callable[[], object]:
 
 
 def microseconds_per_call(step: Callable[[], object], calls: int, rounds: int) -> float:
-    """Median over ``rounds`` of the mean time of ``calls`` back-to-back calls, after a warm-up."""
+    """The least over ``rounds`` of the mean time of ``calls`` back-to-back calls, after a warm-up: the
+    work itself, as ``timeit`` takes it (what the machine's other tasks add only ever lengthens a round)."""
     for _ in range(5):
         step()
     times = []
@@ -78,7 +78,7 @@ def microseconds_per_call(step: Callable[[], object], calls: int, rounds: int) -
         for _ in range(calls):
             step()
         times.append(1e6 * (time.perf_counter() - start) / calls)
-    return statistics.median(times)
+    return min(times)
 
 
 def own_time_profile(step: Callable[[], object], calls: int, top: int) -> str:
