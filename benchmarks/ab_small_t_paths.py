@@ -29,7 +29,7 @@ import click
 import torch
 
 from benchmarks import sweep_small_t
-from benchmarks.common import capture, time_interleaved
+from benchmarks.common import SMALL_T_SHAPES, capture, time_interleaved
 from benchmarks.train_runs import ROOT
 from megamoe.backends.triton import routing, side_gather
 
@@ -108,9 +108,9 @@ def _cases(value: str) -> list[str]:
     cases = [c.strip() for c in value.split(",") if c.strip()]
     for case in cases:
         name, _, tokens = case.partition(":")
-        if name not in sweep_small_t.SHAPES or not tokens.isdigit():
+        if name not in SMALL_T_SHAPES or not tokens.isdigit():
             raise click.BadParameter(
-                f"{case!r}: want SHAPE:T with SHAPE one of {', '.join(sweep_small_t.SHAPES)}",
+                f"{case!r}: want SHAPE:T with SHAPE one of {', '.join(SMALL_T_SHAPES)}",
                 param_hint="--cases",
             )
     return cases

@@ -36,6 +36,13 @@ class ModelShape:
     tokens: int
 
 
+SMALL_T_SHAPES = {
+    # name: (hidden, expert intermediate, experts, top-k) of the small-token-count benchmarks
+    "H1024-E8-K2": (1024, 512, 8, 2),
+    "H2048-E32-K4": (2048, 1024, 32, 4),
+    "H4096-E64-K8": (4096, 1536, 64, 8),
+}
+
 MODELS = {
     "DeepSeek-V3": ModelShape(hidden=7168, inter=2048, experts=32, topk=8, tokens=8192),
     "Qwen3-30B-A3B": ModelShape(hidden=2048, inter=768, experts=128, topk=8, tokens=16384),

@@ -27,12 +27,8 @@ from collections.abc import Callable
 
 import click
 
-SHAPES = {
-    # as benchmarks.sweep_small_t: name -> (hidden, expert intermediate, experts, top-k)
-    "H1024-E8-K2": (1024, 512, 8, 2),
-    "H2048-E32-K4": (2048, 1024, 32, 4),
-    "H4096-E64-K8": (4096, 1536, 64, 8),
-}
+from benchmarks.common import SMALL_T_SHAPES
+
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 
 
@@ -54,7 +50,7 @@ def _step(shape: str, tokens: int, precision: str) -> Callable[[], object]:
     from benchmarks.common import ModelShape
     from megamoe import fused_mega_moe
 
-    hidden, inter, experts, topk = SHAPES[shape]
+    hidden, inter, experts, topk = SMALL_T_SHAPES[shape]
     model = ModelShape(hidden=hidden, inter=inter, experts=experts, topk=topk, tokens=tokens)
     x, idx, tw, w1, w2 = _inputs(model, "uniform", torch.device("cpu"))
     leaves = [x, tw, w1, w2]
@@ -101,7 +97,7 @@ def _precisions(value: str) -> list[str]:
 
 
 @click.command(help=__doc__.split("\n\n")[0])
-@click.option("--shape", type=click.Choice(list(SHAPES)), default="H1024-E8-K2", show_default=True)
+@click.option("--shape", type=click.Choice(list(SMALL_T_SHAPES)), default="H1024-E8-K2", show_default=True)
 @click.option("--tokens", type=click.IntRange(min=1), default=256, show_default=True, help="T")
 @click.option("--precision", "precisions", default="bf16,fp8", show_default=True, help="comma-separated")
 @click.option("--calls", type=click.IntRange(min=1), default=200, show_default=True, help="calls per round")

@@ -38,15 +38,9 @@ import click
 import torch
 
 from benchmarks.bench import _inputs, baseline_layer
-from benchmarks.common import ModelShape, capture, time_interleaved
+from benchmarks.common import SMALL_T_SHAPES, ModelShape, capture, time_interleaved
 from benchmarks.train_runs import ROOT
 
-SHAPES = {
-    # name: (hidden, expert intermediate, experts, top-k)
-    "H1024-E8-K2": (1024, 512, 8, 2),
-    "H2048-E32-K4": (2048, 1024, 32, 4),
-    "H4096-E64-K8": (4096, 1536, 64, 8),
-}
 TOKENS = (256, 512, 1024, 2048, 4096, 8192)
 IMPLS = ("megamoe", "torch")
 HOLD_CYCLES = 200_000_000
@@ -66,7 +60,7 @@ class Row:
 
 
 def _shape(name: str, tokens: int) -> ModelShape:
-    hidden, inter, experts, topk = SHAPES[name]
+    hidden, inter, experts, topk = SMALL_T_SHAPES[name]
     return ModelShape(hidden=hidden, inter=inter, experts=experts, topk=topk, tokens=tokens)
 
 
@@ -195,15 +189,17 @@ def _ints(value: str) -> list[int]:
 
 def _names(value: str) -> list[str]:
     names = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [n for n in names if n not in SHAPES]
+    bad = [n for n in names if n not in SMALL_T_SHAPES]
     if bad:
-        raise click.BadParameter(f"unknown shape(s) {bad}; choose from {', '.join(SHAPES)}")
+        raise click.BadParameter(f"unknown shape(s) {bad}; choose from {', '.join(SMALL_T_SHAPES)}")
     return names
 
 
 @click.command(help=__doc__)
 @click.option("--tokens", default=",".join(map(str, TOKENS)), show_default=True, help="comma-separated T")
-@click.option("--shapes", default=",".join(SHAPES), show_default=True, help="comma-separated shape names")
+@click.option(
+    "--shapes", default=",".join(SMALL_T_SHAPES), show_default=True, help="comma-separated shape names"
+)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="output folder")
 @click.option(
     "--cprofile", "cprofile_at", default=None, help="SHAPE:T whose host time to profile by function"
@@ -234,7 +230,7 @@ def main(
             )
     if dry_run:
         for name in names:
-            click.echo(f"{name} {SHAPES[name]} T={token_list}")
+            click.echo(f"{name} {SMALL_T_SHAPES[name]} T={token_list}")
         return
     if not torch.cuda.is_available():
         raise click.ClickException("the sweep needs a CUDA GPU (torch.cuda.is_available() is False)")
