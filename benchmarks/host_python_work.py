@@ -44,23 +44,15 @@ def _no_launches() -> None:
 
 
 def _step(shape: str, tokens: int, precision: str) -> Callable[[], object]:
+    """:mod:`benchmarks.sweep_small_t`'s fwd+bwd of ours, on CPU tensors (imported once launches are off)."""
     import torch
 
-    from benchmarks.bench import _inputs
-    from benchmarks.common import ModelShape
-    from megamoe import fused_mega_moe
+    from benchmarks import sweep_small_t
 
-    hidden, inter, experts, topk = SMALL_T_SHAPES[shape]
-    model = ModelShape(hidden=hidden, inter=inter, experts=experts, topk=topk, tokens=tokens)
-    x, idx, tw, w1, w2 = _inputs(model, "uniform", torch.device("cpu"))
-    leaves = [x, tw, w1, w2]
-    dy = torch.randn_like(x)
-
-    def step():
-        y = fused_mega_moe(x, idx, tw, w1, w2, backend="triton", precision=precision)
-        return torch.autograd.grad(y, leaves, dy)
-
-    return step
+    steps = sweep_small_t._steps(
+        sweep_small_t._shape(shape, tokens), device=torch.device("cpu"), precision=precision
+    )
+    return steps["megamoe"]
 
 
 def microseconds_per_call(step: Callable[[], object], calls: int, rounds: int) -> float:

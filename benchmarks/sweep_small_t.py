@@ -64,16 +64,17 @@ def _shape(name: str, tokens: int) -> ModelShape:
     return ModelShape(hidden=hidden, inter=inter, experts=experts, topk=topk, tokens=tokens)
 
 
-def _steps(shape: ModelShape):
-    """``{impl: step}``: one fwd+bwd returning ``(y, dx, d_topk_weights, dw1, dw2)``, on shared inputs."""
+def _steps(shape: ModelShape, *, device: torch.device | None = None, precision: str = "bf16"):
+    """``{impl: step}``: one fwd+bwd returning ``(y, dx, d_topk_weights, dw1, dw2)``, on shared inputs
+    (on ``device``, default the GPU; ``precision``: our expert GEMMs')."""
     from megamoe import fused_mega_moe
 
-    x, idx, tw, w1, w2 = _inputs(shape, "uniform", torch.device("cuda"))
+    x, idx, tw, w1, w2 = _inputs(shape, "uniform", device or torch.device("cuda"))
     leaves = [x, tw, w1, w2]
     dy = torch.randn_like(x)
 
     def ours():
-        y = fused_mega_moe(x, idx, tw, w1, w2, backend="triton")
+        y = fused_mega_moe(x, idx, tw, w1, w2, backend="triton", precision=precision)
         return (y, *torch.autograd.grad(y, leaves, dy))
 
     def torch_pipeline():
