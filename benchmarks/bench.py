@@ -197,7 +197,7 @@ def _gemm1_alone(shape: ModelShape, routing: str, device: torch.device) -> list[
     T, H, I, G = shape.tokens, shape.hidden, shape.inter, shape.experts
     x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
     w1 = torch.randn(G, 2 * I, H, device=device, dtype=torch.bfloat16) / H**0.5
-    idx, _ = make_routing(shape, routing, device=device)
+    idx, tw = make_routing(shape, routing, device=device)
     plan = TritonBackend(LocalTransport()).make_plan(idx, num_experts=G, group=None)
     r = plan.routing
     _, _, order, offs = baseline_stage1(x, idx, w1)
@@ -218,7 +218,7 @@ def _gemm1_alone(shape: ModelShape, routing: str, device: torch.device) -> list[
     kernel = time_interleaved([(plain, []), (lambda: torch._grouped_mm(x_sorted, w1_t, offs=offs), [])])
     as_run = time_interleaved(
         [
-            (lambda: ops.gemm1_forward(x, w1, shape.topk, *plan.routing.kernel_tables()), []),
+            (lambda: ops.gemm1_forward(x, w1, tw.view(-1), r.row_slot_R, shape.topk, *r.kernel_tables()), []),
             (grouped_mm_swiglu, []),
         ]
     )

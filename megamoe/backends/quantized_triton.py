@@ -127,7 +127,7 @@ class QuantizedTritonBackend(TransportBackend):
         self.experts.check_widths(x_TH.shape[1], w1_G2IH.shape[1] // 2)
         r = plan.rows.routing
         rows = self.experts.dispatch_rows(x_TH, plan.moved)
-        weights_R = plan.moved.weights_in(topk_weights_TK)
+        weights_R = r.row_values_R(plan.moved.weights_in(topk_weights_TK))
         return self.experts.gemm1(rows, w1_G2IH, plan.rows, r.row_token_R), weights_R, None
 
     def stage2_forward(
@@ -192,6 +192,8 @@ class QuantizedTritonBackend(TransportBackend):
         rows = plan.moved.tokens_in(x_TH)
         grad_h = grad_h_R2I.contiguous()
         dx = d_weights = dw1 = None
+        grad_weights = grad_dispatch_weights_R.contiguous()
+        carried: list[Tensor] = []  # d_weights at the slots, once a combine has carried them there
         if need_dx:
             dx = rows.new_empty(rows.shape)  # the combine writes every token
             if not grad_h.shape[0]:
@@ -200,7 +202,11 @@ class QuantizedTritonBackend(TransportBackend):
 
                 def combine_columns(dx_rows: Tensor, first: int) -> None:
                     columns = dx[:, first : first + dx_rows.shape[1]]
-                    combine(dx_rows, r.slot_row_S, columns, topk=r.topk, weights_R=None)
+                    to_slots = None
+                    if need_dweights and not carried:
+                        carried.append(grad_weights.new_empty(r.slot_row_S.shape))
+                        to_slots = (grad_weights, carried[0])
+                    combine(dx_rows, r.slot_row_S, columns, topk=r.topk, weights_R=None, to_slots=to_slots)
 
                 self.experts.dgrad1(grad_h, w1_G2IH, plan.rows, combine_columns)
             dx = plan.moved.tokens_out(dx, x_TH.dtype)
@@ -208,5 +214,6 @@ class QuantizedTritonBackend(TransportBackend):
             scratch = grad_h if grad_h_is_scratch else None  # read last by wgrad1: dgrad1 is done
             dw1 = self.experts.wgrad1(grad_h, rows, w1_G2IH, plan.rows, r.row_token_R, scratch)
         if need_dweights:
-            d_weights = plan.moved.slot_values_out(grad_dispatch_weights_R)
+            d_slots = carried[0] if carried else r.slot_values_TK(grad_weights).view(-1)
+            d_weights = plan.moved.slot_values_out(d_slots)
         return dx, d_weights, dw1

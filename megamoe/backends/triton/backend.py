@@ -43,10 +43,16 @@ class TritonBackend(TransportBackend):
     def stage1_forward(
         self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, plan: Rows
     ) -> tuple[Tensor, ...]:
-        h, act = ops.gemm1_forward(
-            plan.tokens_in(x_TH), w1_G2IH.contiguous(), plan.routing.topk, *plan.routing.kernel_tables()
+        r = plan.routing
+        h, act, weights_R = ops.gemm1_forward(
+            plan.tokens_in(x_TH),
+            w1_G2IH.contiguous(),
+            plan.weights_in(topk_weights_TK),
+            r.row_slot_R,
+            r.topk,
+            *r.kernel_tables(),
         )
-        return h, plan.weights_in(topk_weights_TK), act
+        return h, weights_R, act
 
     def stage1_backward(
         self,
@@ -59,16 +65,20 @@ class TritonBackend(TransportBackend):
         grad_h_is_scratch: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         need_dx, need_dweights, need_dw1 = needs_grad
+        r = plan.routing
         dx = dw1 = d_weights = None
         if need_dx or need_dw1:
-            dx_rows, dw1 = ops.gemm1_backward(
-                plan.tokens_in(x_TH), w1_G2IH.contiguous(), grad_h_R2I.contiguous(), need_dx, need_dw1,
-                plan.routing.topk, *plan.routing.kernel_tables(),
+            dx_rows, dw1, d_weights = ops.gemm1_backward(
+                plan.tokens_in(x_TH), w1_G2IH.contiguous(), grad_h_R2I.contiguous(),
+                grad_dispatch_weights_R.contiguous(), need_dx, need_dw1, need_dweights, r.topk,
+                *r.kernel_tables(),
             )  # fmt: skip
             dx = plan.tokens_out(dx_rows, x_TH.dtype) if need_dx else None
             dw1 = dw1 if need_dw1 else None
+        elif need_dweights:
+            d_weights = r.slot_values_TK(grad_dispatch_weights_R).view(-1)
         if need_dweights:
-            d_weights = plan.slot_values_out(grad_dispatch_weights_R)
+            d_weights = plan.slot_values_out(d_weights)
         return dx, d_weights, dw1
 
     def stage2_forward(

@@ -11,7 +11,9 @@ Legend: T tokens, K top-k, H columns, R expert-sorted rows.
 
 It follows the grouped GEMM instead of living in its epilogue: an epilogue scatter would need float
 atomics (a different sum order each run), and one extra pass over the rows is a few percent of GEMM2.
-The same kernel reduces the dgrad rows into ``dx`` in backward (no weights there).
+The same kernel reduces the dgrad rows into ``dx`` in backward (no weights there), and there also carries
+the routing-weight gradient from the rows back to the slots, whose rows it reads anyway: no launch of
+its own for that.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megamoe.backends.triton.grid import cdiv, next_power_of_2
+from megamoe.backends.triton.routing import pick_slot_value
 
 
 @triton.jit
@@ -29,6 +32,8 @@ def _combine_kernel(
     slot_row_ptr,
     weight_ptr,
     out_ptr,
+    row_values_ptr,
+    slot_values_ptr,
     H,
     stride_rows,
     stride_out,
@@ -42,6 +47,8 @@ def _combine_kernel(
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for k in tl.static_range(K):
         r = tl.load(slot_row_ptr + t * K + k)
+        if row_values_ptr is not None:
+            pick_slot_value(row_values_ptr, r, slot_values_ptr, t * K + k, tl.program_id(1) == 0)
         if r >= 0:
             v = tl.load(rows_ptr + r.to(tl.int64) * stride_rows + offs, mask=mask, other=0.0).to(tl.float32)
             if WEIGHTED:
@@ -51,10 +58,18 @@ def _combine_kernel(
 
 
 def combine(
-    rows_RH: Tensor, slot_row_S: Tensor, out_TH: Tensor, *, topk: int, weights_R: Tensor | None
+    rows_RH: Tensor,
+    slot_row_S: Tensor,
+    out_TH: Tensor,
+    *,
+    topk: int,
+    weights_R: Tensor | None,
+    to_slots: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """Write ``out_TH`` from the expert-sorted ``rows_RH`` (``weights_R`` scales each row first). Either may
-    be a column range of a wider tensor (rows strided, columns contiguous)."""
+    be a column range of a wider tensor (rows strided, columns contiguous). ``to_slots = (values_R,
+    out_S)``: also write ``out_S[s] = values_R[slot_row_S[s]]`` (0 for a dropped slot), what
+    :func:`~.routing.pick_slots` writes."""
     T, H = out_TH.shape
     if T == 0:
         return
@@ -69,6 +84,7 @@ def combine(
         slot_row_S,
         weights_R,
         out_TH,
+        *(to_slots or (None, None)),
         H,
         rows_RH.stride(0),
         out_TH.stride(0),

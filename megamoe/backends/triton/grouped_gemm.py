@@ -25,7 +25,8 @@ separate pass (``swiglu.swiglu_tile``), so ``act`` has the bits that pass would 
 
 Rows past a tile's segment end are never stored (they belong to the next expert's tile), so no
 expert is padded in memory. With the SwiGLU epilogue the programs, once out of tiles, also zero the
-rows past the routed ones (dropped slots) in ``h`` and ``act``: no separate launch for them. B is
+rows past the routed ones (dropped slots) in ``h`` and ``act`` and may pick each row's routing weight
+from its slot: no separate launch for either. B is
 read through a rank-3 TMA descriptor ``[G, N, K]`` whose bounds zero-fill ragged K and N. The row gather (A_MODE 1, GEMM1's fused dispatch) measured faster than TMA loads
 of a pre-gathered copy (docs/kernels.md#measurements-that-chose-the-design), so the forward never
 materialises the dispatched ``x``.
@@ -41,7 +42,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton.padding import zero_rows
-from megamoe.backends.triton.routing import RoutingPlan
+from megamoe.backends.triton.routing import RoutingPlan, pick_row_values
 from megamoe.backends.triton.swiglu import swiglu_tile
 
 
@@ -146,6 +147,9 @@ def _grouped_gemm_kernel(
     tiles_ptr,
     num_tiles_ptr,
     valid_rows_ptr,
+    slot_values_ptr,
+    row_slot_ptr,
+    row_values_ptr,
     # sizes and strides
     R,
     N,
@@ -208,11 +212,16 @@ def _grouped_gemm_kernel(
         else:
             _store_tile(acc.to(c_ptr.dtype.element_ty), c_ptr, r0, r_end, n0, N, stride_c, BLOCK_M, BLOCK_N)
     if SWIGLU:
+        valid = tl.load(valid_rows_ptr)
         # rows past the routed ones (dropped slots) are no tile's: zeros in h and act, shared by all programs
-        for p0 in range(tl.load(valid_rows_ptr) + tl.program_id(0) * BLOCK_M, R, num_programs * BLOCK_M):
+        for p0 in range(valid + tl.program_id(0) * BLOCK_M, R, num_programs * BLOCK_M):
             rows = p0 + tl.arange(0, BLOCK_M)
             zero_rows(c_ptr, rows, rows < R, N, BLOCK_M, BLOCK_N)
             zero_rows(act_ptr, rows, rows < R, inter, BLOCK_M, HALF)
+        if row_values_ptr is not None:
+            for p0 in range(tl.program_id(0) * BLOCK_M, R, num_programs * BLOCK_M):
+                rows = p0 + tl.arange(0, BLOCK_M)
+                pick_row_values(slot_values_ptr, row_slot_ptr, row_values_ptr, rows, valid, R)
 
 
 def grouped_gemm(
@@ -227,6 +236,7 @@ def grouped_gemm(
     num_sms: int,
     a_rows: Tensor | None = None,
     act: Tensor | None = None,
+    row_values: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> None:
     """Launch :func:`_grouped_gemm_kernel` writing ``out`` (rows of the plan's tiles only).
 
@@ -234,11 +244,15 @@ def grouped_gemm(
     ``a`` is ``[R, K]`` expert-sorted (``a_mode=0``) or ``[T, K]`` gathered through ``a_rows`` (``a_mode=1``).
     ``act [R, N/2]`` (GEMM1 only, ``b_kn=False``): also write ``silu(out[:, :N/2]) * out[:, N/2:]`` there,
     and zero the padding rows (past the plan's routed rows) of both, contiguous, in the same launch.
+    ``row_values = (values_S, row_slot_R, out_R)`` (with ``act`` only): also write what
+    :func:`~.routing.pick_rows` would, ``out_R[r] = values_S[row_slot_R[r]]``, 0 on padding rows.
     ``config``: the tile shape and launch options.
     """
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if bm != plan.block_m:
         raise ValueError(f"BLOCK_M={bm} must equal the plan's block_m={plan.block_m}")
+    if row_values is not None and act is None:
+        raise ValueError("row_values are picked by the SwiGLU epilogue's programs: pass act too")
     if act is not None:
         if not (out.is_contiguous() and act.is_contiguous()):
             raise ValueError("the SwiGLU epilogue zeroes padding rows of a contiguous out and act")
@@ -271,6 +285,7 @@ def grouped_gemm(
         plan.tiles_X3,
         plan.num_tiles_1,
         plan.expert_start_G1[-1:],
+        *(row_values or (None, None, None)),
         out.shape[0],
         N,
         K,

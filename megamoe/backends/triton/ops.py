@@ -20,7 +20,7 @@ from megamoe.backends.opaque import opaque_op
 from megamoe.backends.triton.combine import combine
 from megamoe.backends.triton.configs import column_chunks, gemm_config, num_programs, wgrad_config
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
-from megamoe.backends.triton.routing import RoutingPlan
+from megamoe.backends.triton.routing import RoutingPlan, pick_rows, pick_slots
 from megamoe.backends.triton.side_gather import RowGather
 from megamoe.backends.triton.swiglu import swiglu_backward, swiglu_forward
 from megamoe.backends.triton.wgrad import grouped_wgrad
@@ -55,6 +55,8 @@ def _plan(
 def gemm1_forward(
     x_TH: Tensor,
     w1_G2IH: Tensor,
+    weights_S: Tensor,
+    row_slot_R: Tensor,
     topk: int,
     block_m: int,
     row_token_R: Tensor,
@@ -62,34 +64,49 @@ def gemm1_forward(
     expert_start_G1: Tensor,
     tiles_X3: Tensor,
     num_tiles_1: Tensor,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """``h [R, 2I] = x[row_token] @ W1[expert]^T`` (dispatch fused as a row gather) and, from the same
-    kernel's epilogue, ``act [R, I] = silu(h[:, :I]) * h[:, I:]``; padding rows of both are zero."""
+    kernel, ``act [R, I] = silu(h[:, :I]) * h[:, I:]`` and each row's routing weight ``weights_S[row_slot]``
+    ``[R]``; padding rows of all three are zero."""
     T, G, two_i = x_TH.shape[0], w1_G2IH.shape[0], w1_G2IH.shape[1]
     plan = _plan(T, topk, G, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1)
     h = x_TH.new_empty(T * topk, two_i)
     act = x_TH.new_empty(T * topk, two_i // 2)
-    if act.numel():
-        cfg = gemm_config("gemm1", x_TH.device)
-        grouped_gemm(
-            x_TH,
-            w1_G2IH,
-            h,
-            plan,
-            a_mode=1,
-            b_kn=False,
-            config=cfg,
-            num_sms=num_programs(x_TH.device),
-            a_rows=row_token_R,
-            act=act,
-        )
-    return h, act
+    if not act.numel():  # no rows (or no columns: nothing for the GEMM's programs to do)
+        return h, act, pick_rows(weights_S, row_slot_R, expert_start_G1)
+    weights_R = weights_S.new_empty(T * topk)
+    grouped_gemm(
+        x_TH,
+        w1_G2IH,
+        h,
+        plan,
+        a_mode=1,
+        b_kn=False,
+        config=gemm_config("gemm1", x_TH.device),
+        num_sms=num_programs(x_TH.device),
+        a_rows=row_token_R,
+        act=act,
+        row_values=(weights_S, row_slot_R, weights_R),
+    )
+    return h, act, weights_R
 
 
 @gemm1_forward.register_fake
-def _(x_TH, w1_G2IH, topk, block_m, row_token_R, slot_row_S, expert_start_G1, tiles_X3, num_tiles_1):
+def _(
+    x_TH,
+    w1_G2IH,
+    weights_S,
+    row_slot_R,
+    topk,
+    block_m,
+    row_token_R,
+    slot_row_S,
+    expert_start_G1,
+    tiles_X3,
+    num_tiles_1,
+):
     R, two_i = x_TH.shape[0] * topk, w1_G2IH.shape[1]
-    return x_TH.new_empty(R, two_i), x_TH.new_empty(R, two_i // 2)
+    return x_TH.new_empty(R, two_i), x_TH.new_empty(R, two_i // 2), weights_S.new_empty(R)
 
 
 @opaque_op("megamoe_triton::gemm2_combine_forward")
@@ -238,8 +255,10 @@ def gemm1_backward(
     x_TH: Tensor,
     w1_G2IH: Tensor,
     grad_h_R2I: Tensor,
+    grad_weights_R: Tensor,
     need_dx: bool,
     need_dw1: bool,
+    need_dweights: bool,
     topk: int,
     block_m: int,
     row_token_R: Tensor,
@@ -247,10 +266,11 @@ def gemm1_backward(
     expert_start_G1: Tensor,
     tiles_X3: Tensor,
     num_tiles_1: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """Return ``(dx [T, H], dW1 [G, 2I, H])``: the dgrad ``dh @ W1`` reduced over the K slots, and the
-    K-grouped ``dW1 = dh^T x_sorted`` (the dispatch of ``x`` recomputed as transient gathers that run
-    beside the GEMMs, :mod:`~megamoe.backends.triton.side_gather`).
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Return ``(dx [T, H], dW1 [G, 2I, H], d_weights [S])``: the dgrad ``dh @ W1`` reduced over the K
+    slots, the K-grouped ``dW1 = dh^T x_sorted`` (the dispatch of ``x`` recomputed as transient gathers
+    that run beside the GEMMs, :mod:`~megamoe.backends.triton.side_gather`), and the rows'
+    ``grad_weights_R`` back at their slots (0 for dropped ones), carried by ``dx``'s combine.
 
     ``x_sorted [R, H]`` is gathered and used in column chunks (:func:`~.configs.column_chunks`): the first beside
     the dgrad, each next one beside the wgrad of the one before, so at most two chunks are alive at a
@@ -262,8 +282,11 @@ def gemm1_backward(
     R = grad_h_R2I.shape[0]
     dx = x_TH.new_empty(T, H) if need_dx else x_TH.new_empty(0)
     dw1 = w1_G2IH.new_empty(0)
+    d_weights = grad_weights_R.new_empty(slot_row_S.shape[0] if need_dweights else 0)
     if R == 0:  # every output is written by a kernel below; with no rows they are all zero
-        return dx.zero_(), torch.zeros_like(w1_G2IH) if need_dw1 else dw1
+        return dx.zero_(), torch.zeros_like(w1_G2IH) if need_dw1 else dw1, d_weights.zero_()
+    if need_dweights and not need_dx:
+        d_weights = pick_slots(grad_weights_R, slot_row_S)
     wgrad_cfg = wgrad_config(x_TH.device)
     chunks = column_chunks(R, H, x_TH.element_size(), wgrad_cfg.block_n) if need_dw1 else []
     x_gather = RowGather(x_TH[:, slice(*chunks[0])], row_token_R) if need_dw1 else None
@@ -283,7 +306,8 @@ def gemm1_backward(
     if x_gather is not None:
         x_gather.start()  # dW1's operand (the dispatch recomputed), gathered while the dgrad runs
     if need_dx:
-        combine(dx_rows, slot_row_S, dx, topk=topk, weights_R=None)
+        to_slots = (grad_weights_R, d_weights) if need_dweights else None
+        combine(dx_rows, slot_row_S, dx, topk=topk, weights_R=None, to_slots=to_slots)
         del dx_rows
     if x_gather is not None:
         dw1 = torch.empty_like(w1_G2IH)  # allocated once dx_rows is free: less at the peak
@@ -301,7 +325,7 @@ def gemm1_backward(
             if x_gather is not None:
                 x_gather.start()  # the next chunk, gathered while this chunk's wgrad runs
             del x_rows
-    return dx, dw1
+    return dx, dw1, d_weights
 
 
 @gemm1_backward.register_fake
@@ -309,8 +333,10 @@ def _(
     x_TH,
     w1_G2IH,
     grad_h_R2I,
+    grad_weights_R,
     need_dx,
     need_dw1,
+    need_dweights,
     topk,
     block_m,
     row_token_R,
@@ -321,4 +347,4 @@ def _(
 ):
     dx = x_TH.new_empty(x_TH.shape) if need_dx else x_TH.new_empty(0)
     dw1 = w1_G2IH.new_empty(w1_G2IH.shape) if need_dw1 else w1_G2IH.new_empty(0)
-    return dx, dw1
+    return dx, dw1, grad_weights_R.new_empty(slot_row_S.shape[0] if need_dweights else 0)

@@ -133,20 +133,33 @@ def _(values_R, slot_row_S):
 
 
 @triton.jit
+def pick_row_values(values_ptr, row_slot_ptr, out_ptr, rows, valid, R):
+    """``out[r] = values[row_slot[r]]`` for the ``rows`` below ``valid``, 0 for the others below ``R``: the
+    one formula of :func:`pick_rows` and of GEMM1's programs, which pick the routing weights beside
+    their tiles."""
+    live = rows < valid
+    slot = tl.load(row_slot_ptr + rows, mask=live, other=0)
+    tl.store(out_ptr + rows, tl.load(values_ptr + slot, mask=live, other=0), mask=rows < R)
+
+
+@triton.jit
+def pick_slot_value(values_ptr, row, out_ptr, slot, mask):
+    """``out[slot] = values[row]`` where ``mask``, 0 for a dropped slot (``row < 0``): the one formula of
+    :func:`pick_slots` and of the combine, which carries the routing-weight gradient back beside ``dx``."""
+    tl.store(out_ptr + slot, tl.load(values_ptr + row, mask=row >= 0, other=0), mask=mask)
+
+
+@triton.jit
 def _pick_rows_kernel(values_ptr, row_slot_ptr, valid_rows_ptr, out_ptr, R, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    valid = rows < tl.load(valid_rows_ptr)
-    slot = tl.load(row_slot_ptr + rows, mask=valid, other=0)
-    value = tl.load(values_ptr + slot, mask=valid, other=0)
-    tl.store(out_ptr + rows, value, mask=rows < R)
+    pick_row_values(values_ptr, row_slot_ptr, out_ptr, rows, tl.load(valid_rows_ptr), R)
 
 
 @triton.jit
 def _pick_slots_kernel(values_ptr, slot_row_ptr, out_ptr, S, BLOCK: tl.constexpr):
     slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row = tl.load(slot_row_ptr + slots, mask=slots < S, other=-1)
-    value = tl.load(values_ptr + row, mask=row >= 0, other=0)
-    tl.store(out_ptr + slots, value, mask=slots < S)
+    pick_slot_value(values_ptr, row, out_ptr, slots, slots < S)
 
 
 @triton.jit

@@ -43,15 +43,17 @@ class Rows(Protocol):
         ...
 
     def weights_in(self, topk_weights_TK: Tensor) -> Tensor:
-        """Each row's routing weight ``[R]``."""
+        """The routing weight of each of the plan's slots ``[S]`` (the kernels pick each row's through
+        ``routing.row_slot_R``)."""
         ...
 
     def tokens_out(self, y: Tensor, dtype: torch.dtype) -> Tensor:
         """The kernels' combined output back as ``[T, H]`` in ``dtype``."""
         ...
 
-    def slot_values_out(self, values_R: Tensor) -> Tensor:
-        """Per-row scalars back to their slots ``[T, K]`` (zero for dropped slots)."""
+    def slot_values_out(self, values_S: Tensor) -> Tensor:
+        """Scalars of the plan's slots ``[S]`` back as the caller's ``[T, K]`` (the kernels pick them
+        from the rows through ``routing.slot_row_S``, zero for dropped slots)."""
         ...
 
 
@@ -66,13 +68,13 @@ class LocalRows:
         return q_TH
 
     def weights_in(self, topk_weights_TK: Tensor) -> Tensor:
-        return self.routing.row_values_R(topk_weights_TK)
+        return topk_weights_TK.contiguous().view(-1)
 
     def tokens_out(self, y: Tensor, dtype: torch.dtype) -> Tensor:
         return y
 
-    def slot_values_out(self, values_R: Tensor) -> Tensor:
-        return self.routing.slot_values_TK(values_R)
+    def slot_values_out(self, values_S: Tensor) -> Tensor:
+        return values_S.view(self.routing.num_tokens, self.routing.topk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +95,8 @@ class ExchangedRows:
     def tokens_out(self, y: Tensor, dtype: torch.dtype) -> Tensor:
         return self.exchange.combine_tokens(y, acc_dtype=torch.float32).to(dtype)
 
-    def slot_values_out(self, values_R: Tensor) -> Tensor:
-        return self.exchange.combine_slot_values(values_R)
+    def slot_values_out(self, values_S: Tensor) -> Tensor:
+        return self.exchange.combine_slot_values(values_S)  # one slot per received row, in row order
 
 
 class LocalTransport:

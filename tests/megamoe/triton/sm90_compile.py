@@ -185,7 +185,9 @@ def _gemm(op: str, *, a_mode: int, b_kn: bool, swiglu: bool, N: int, K: int) -> 
     args = dict(
         a_ptr="*bf16", a_desc=f"tensordesc<bf16[{bm},{bk}]>" if a_mode == 0 else None,
         a_rows_ptr="*i32" if a_mode == 1 else None, b_desc=f"tensordesc<bf16{b_box}>", c_ptr="*bf16",
-        act_ptr="*bf16" if swiglu else None, tiles_ptr="*i32", num_tiles_ptr="*i32", valid_rows_ptr="*i32", R=R, N=N, K=K, stride_a=K,
+        act_ptr="*bf16" if swiglu else None, tiles_ptr="*i32", num_tiles_ptr="*i32", valid_rows_ptr="*i32",
+        slot_values_ptr="*fp32" if swiglu else None, row_slot_ptr="*i32" if swiglu else None,
+        row_values_ptr="*fp32" if swiglu else None, R=R, N=N, K=K, stride_a=K,
         stride_c=N, stride_act=N // 2 if swiglu else 0, num_programs=NUM_SMS, A_MODE=a_mode, B_KN=b_kn,
         SWIGLU=swiglu, **config_constexprs(_grouped_gemm_kernel, cfg),
     )  # fmt: skip
@@ -282,12 +284,16 @@ def _small_kernels() -> dict:
         "swiglu backward": (_swiglu_backward_kernel, backward, {}),
         "zero padding rows": (_zero_padding_rows_kernel, padding, {}),
     }
-    for weighted in (True, False):
+    for name, weighted, to_slots in (
+        ("combine, weighted", True, False),
+        ("combine, unweighted", False, False),
+        ("combine, unweighted, d(weights) to the slots", False, True),
+    ):
         combine = dict(
             rows_ptr="*bf16", slot_row_ptr="*i32", weight_ptr="*fp32" if weighted else None, out_ptr="*bf16",
+            row_values_ptr="*fp32" if to_slots else None, slot_values_ptr="*fp32" if to_slots else None,
             H=H, stride_rows=H, stride_out=H, K=TOPK, WEIGHTED=weighted, BLOCK_H=block_h,
         )  # fmt: skip
-        name = f"combine, {'weighted' if weighted else 'unweighted'}"
         launches[name] = (_combine_kernel, combine, {"num_warps": 4 if block_h <= 1024 else 8})
     return launches
 

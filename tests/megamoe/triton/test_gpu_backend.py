@@ -187,10 +187,10 @@ def _gemm1_with_epilogue(shape: ModelShape, routing: str, drop: float, empty: in
     from megamoe.backends.triton.backend import TritonBackend
     from megamoe.backends.triton.rows import LocalTransport
 
-    x, idx, _, w1, _, _ = _inputs(shape, routing, drop=drop, empty_experts=empty)
-    plan = TritonBackend(LocalTransport()).make_plan(idx, num_experts=shape.experts, group=None)
-    h, act = ops.gemm1_forward(x, w1, shape.topk, *plan.routing.kernel_tables())
-    return x, w1, plan.routing, h, act, int(plan.routing.expert_start_G1[-1])
+    x, idx, tw, w1, _, _ = _inputs(shape, routing, drop=drop, empty_experts=empty)
+    r = TritonBackend(LocalTransport()).make_plan(idx, num_experts=shape.experts, group=None).routing
+    h, act, weights = ops.gemm1_forward(x, w1, tw.view(-1), r.row_slot_R, shape.topk, *r.kernel_tables())
+    return x, w1, r, h, act, int(r.expert_start_G1[-1]), weights, tw
 
 
 @pytest.mark.parametrize(("shape", "routing", "drop", "empty"), EPILOGUE_CASES)
@@ -200,7 +200,7 @@ def test_triton_gemm1_swiglu_epilogue_equals_swiglu_pass_bitwise(
     """GEMM1's epilogue ``act`` has the bits of the SwiGLU pass over the same kernel's ``h``."""
     from megamoe.backends.triton.swiglu import swiglu_forward
 
-    _, _, routing_plan, h, act, valid = _gemm1_with_epilogue(shape, routing, drop, empty)
+    _, _, routing_plan, h, act, valid, _, _ = _gemm1_with_epilogue(shape, routing, drop, empty)
     act_pass = torch.full_like(act, float("nan"))
     swiglu_forward(h, act_pass, routing_plan.expert_start_G1[-1:])
     assert torch.equal(act[:valid], act_pass[:valid]), (
@@ -218,7 +218,7 @@ def test_triton_gemm1_epilogue_h_equals_plain_gemm1_bitwise(
     from megamoe.backends.triton.configs import gemm_config, num_programs
     from megamoe.backends.triton.grouped_gemm import grouped_gemm
 
-    x, w1, routing_plan, h, _, valid = _gemm1_with_epilogue(shape, routing, drop, empty)
+    x, w1, routing_plan, h, _, valid, _, _ = _gemm1_with_epilogue(shape, routing, drop, empty)
     h_plain = torch.full_like(h, float("nan"))
     grouped_gemm(
         x,
@@ -232,6 +232,15 @@ def test_triton_gemm1_epilogue_h_equals_plain_gemm1_bitwise(
         a_rows=routing_plan.row_token_R,
     )
     assert torch.equal(h[:valid], h_plain[:valid]), f"h: {_first_mismatch(h[:valid], h_plain[:valid])}"
+
+
+@pytest.mark.parametrize(("shape", "routing", "drop", "empty"), EPILOGUE_CASES)
+def test_triton_gemm1_picks_each_rows_routing_weight(
+    shape: ModelShape, routing: str, drop: float, empty: int
+) -> None:
+    """GEMM1's programs write each row's routing weight, what ``pick_rows`` writes (0 on padding rows)."""
+    *_, routing_plan, _, _, _, weights, tw = _gemm1_with_epilogue(shape, routing, drop, empty)
+    assert torch.equal(weights, routing_plan.row_values_R(tw))
 
 
 _BAD_ID_SCRIPT = """
