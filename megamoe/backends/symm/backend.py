@@ -301,11 +301,16 @@ class SymmBackend:
             launch.fused_gemm(ws, push=dispatch, **gemm)
         launch.wait_flags(ws, "combine_ready", COUNTER_COMBINE)
         dx = d_weights = dw1 = None
+        scalars = ws.view("combine_scalar")
         if need_dx:
             dx = x.new_empty(x.shape)
-            combine(ws.view("combine"), s.slot_row_S, dx, topk=s.topk, weights_R=None)
+            if need_dweights:  # carried to the slots by dx's combine
+                d_weights = scalars.new_empty(s.slot_row_S.shape)
+            to_slots = None if d_weights is None else (scalars, d_weights)
+            combine(ws.view("combine"), s.slot_row_S, dx, topk=s.topk, weights_R=None, to_slots=to_slots)
         if need_dweights:
-            d_weights = s.slot_values_TK(ws.view("combine_scalar")).to(grad_dispatch_weights_R.dtype)
+            d_slots = s.slot_values_TK(scalars) if d_weights is None else d_weights.view(s.num_tokens, s.topk)
+            d_weights = d_slots.to(grad_dispatch_weights_R.dtype)
         if need_dw1:
             if not broadcast:  # (broadcast: the pool gather waited and was joined)
                 launch.wait_flags(ws, "pool_ready", COUNTER_POOL)
