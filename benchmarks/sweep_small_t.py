@@ -20,7 +20,7 @@ Both are measured with ``torch.autograd.grad`` of a fixed output gradient, so no
 Written under ``--out`` (default ``./output/bench/sweep_small_t/<time>``): ``table.md`` (printed too),
 ``results.json`` and ``speedup.png`` (ours / torch speed-up against T per shape, eager and graph).
 ``--cprofile H1024-E8-K2:1024`` also writes ``cprofile.txt``: where the host time of our eager call
-goes, by Python function. Without matplotlib on the GPU machine the plot is skipped;
+goes, by Triton launch (the host's microseconds in each kernel's launch) and by Python function. Without matplotlib on the GPU machine the plot is skipped;
 ``--replot DIR`` draws it (and rewrites the table) from ``DIR/results.json`` anywhere.
 """
 
@@ -168,10 +168,42 @@ def plot(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
+def launch_costs(step, calls: int = 8) -> str:
+    """Host time per call, and the part of it in each Triton kernel's launch (argument binding, tensor
+    descriptors, the driver call), the GPU held busy as in :func:`host_ms`."""
+    from triton.runtime.jit import JITFunction
+
+    spent: dict[str, list[float]] = {}
+    launch = JITFunction.run
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            spent.setdefault(self.fn.__name__, []).append(time.perf_counter() - start)
+
+    total_ms = host_ms(step, calls)
+    JITFunction.run = timed
+    try:
+        host_ms(step, calls)
+    finally:
+        JITFunction.run = launch
+    per_call = {k: (len(v) // (calls + 3), 1e6 * sum(v) / len(v)) for k, v in spent.items()}
+    lines = [f"host {1e3 * total_ms:.0f} us a call; Triton launches, us each (count a call):"]
+    lines += [
+        f"  {k:36s} {us:6.1f}  x{n}" for k, (n, us) in sorted(per_call.items(), key=lambda kv: -kv[1][1])
+    ]
+    in_launches = sum(n * us for n, us in per_call.values())
+    lines.append(f"  in Triton launches: {in_launches:.0f} us a call")
+    return "\n".join(lines)
+
+
 def host_profile(name: str, tokens: int, calls: int = 50) -> str:
-    """cProfile of ``calls`` eager fwd+bwd of ours, the 40 functions of most cumulative time."""
+    """Triton's launches' share of the host time (:func:`launch_costs`), then cProfile of ``calls`` eager
+    fwd+bwd of ours, the 40 functions of most cumulative time."""
     step = _steps(_shape(name, tokens))["megamoe"]
-    host_ms(step)
+    launches_text = launch_costs(step)
     profiler = cProfile.Profile()
     torch.cuda._sleep(HOLD_CYCLES)
     profiler.enable()
@@ -181,7 +213,9 @@ def host_profile(name: str, tokens: int, calls: int = 50) -> str:
     torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
-    return f"{calls} calls of fused_mega_moe fwd+bwd at {name} T={tokens}\n{text.getvalue()}"
+    return (
+        f"{launches_text}\n\n{calls} calls of fused_mega_moe fwd+bwd at {name} T={tokens}\n{text.getvalue()}"
+    )
 
 
 def _ints(value: str) -> list[int]:
