@@ -26,10 +26,10 @@ separate pass (``swiglu.swiglu_tile``), so ``act`` has the bits that pass would 
 Rows past a tile's segment end are never stored (they belong to the next expert's tile), so no
 expert is padded in memory. With the SwiGLU epilogue the programs, once out of tiles, also zero the
 rows past the routed ones (dropped slots) in ``h`` and ``act`` and may pick each row's routing weight
-from its slot: no separate launch for either. B is
-read through a rank-3 TMA descriptor ``[G, N, K]`` whose bounds zero-fill ragged K and N. The row gather (A_MODE 1, GEMM1's fused dispatch) measured faster than TMA loads
-of a pre-gathered copy (docs/kernels.md#measurements-that-chose-the-design), so the forward never
-materialises the dispatched ``x``.
+from its slot: no separate launch for either. B is read through a rank-3 TMA descriptor ``[G, N, K]``
+whose bounds zero-fill ragged K and N. The row gather (A_MODE 1, GEMM1's fused dispatch) measured
+faster than TMA loads of a pre-gathered copy (docs/kernels.md#measurements-that-chose-the-design), so
+the forward never materialises the dispatched ``x``.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def _plan(
         topk=K,
         num_experts=G,
         block_m=block_m,
-        row_slot_R=row_token_R,  # the kernels never read it; the launchers take none
+        row_slot_R=row_token_R,  # not read through the plan (GEMM1 is handed the real one beside it)
         row_token_R=row_token_R,
         slot_row_S=slot_row_S,
         expert_start_G1=expert_start_G1,
