@@ -186,10 +186,13 @@ def launch_costs(step, calls: int = 8) -> str:
     total_ms = host_ms(step, calls)
     JITFunction.run = timed
     try:
-        host_ms(step, calls)
+        torch.cuda._sleep(HOLD_CYCLES)
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
     finally:
         JITFunction.run = launch
-    per_call = {k: (len(v) // (calls + 3), 1e6 * sum(v) / len(v)) for k, v in spent.items()}
+    per_call = {k: (len(v) // calls, 1e6 * sum(v) / len(v)) for k, v in spent.items()}
     lines = [f"host {1e3 * total_ms:.0f} us a call; Triton launches, us each (count a call):"]
     lines += [
         f"  {k:36s} {us:6.1f}  x{n}" for k, (n, us) in sorted(per_call.items(), key=lambda kv: -kv[1][1])
