@@ -67,18 +67,18 @@ class TritonBackend(TransportBackend):
         need_dx, need_dweights, need_dw1 = needs_grad
         r = plan.routing
         dx = dw1 = d_weights = None
+        grad_weights = grad_dispatch_weights_R.contiguous()
         if need_dx or need_dw1:
-            dx_rows, dw1, d_weights = ops.gemm1_backward(
-                plan.tokens_in(x_TH), w1_G2IH.contiguous(), grad_h_R2I.contiguous(),
-                grad_dispatch_weights_R.contiguous(), need_dx, need_dw1, need_dweights, r.topk,
-                *r.kernel_tables(),
+            dx_rows, dw1, d_slots = ops.gemm1_backward(
+                plan.tokens_in(x_TH), w1_G2IH.contiguous(), grad_h_R2I.contiguous(), grad_weights,
+                need_dx, need_dw1, need_dweights and need_dx, r.topk, *r.kernel_tables(),
             )  # fmt: skip
             dx = plan.tokens_out(dx_rows, x_TH.dtype) if need_dx else None
             dw1 = dw1 if need_dw1 else None
-        elif need_dweights:
-            d_weights = r.slot_values_TK(grad_dispatch_weights_R).view(-1)
         if need_dweights:
-            d_weights = plan.slot_values_out(d_weights)
+            if not need_dx:  # no combine to carry it
+                d_slots = r.slot_values_TK(grad_weights).view(-1)
+            d_weights = plan.slot_values_out(d_slots)
         return dx, d_weights, dw1
 
     def stage2_forward(

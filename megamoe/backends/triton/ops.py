@@ -20,7 +20,7 @@ from megamoe.backends.opaque import opaque_op
 from megamoe.backends.triton.combine import combine
 from megamoe.backends.triton.configs import column_chunks, gemm_config, num_programs, wgrad_config
 from megamoe.backends.triton.grouped_gemm import grouped_gemm
-from megamoe.backends.triton.routing import RoutingPlan, pick_rows, pick_slots
+from megamoe.backends.triton.routing import RoutingPlan, pick_rows
 from megamoe.backends.triton.side_gather import RowGather
 from megamoe.backends.triton.swiglu import swiglu_backward, swiglu_forward
 from megamoe.backends.triton.wgrad import grouped_wgrad
@@ -258,7 +258,7 @@ def gemm1_backward(
     grad_weights_R: Tensor,
     need_dx: bool,
     need_dw1: bool,
-    need_dweights: bool,
+    dweights_with_dx: bool,
     topk: int,
     block_m: int,
     row_token_R: Tensor,
@@ -269,8 +269,9 @@ def gemm1_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Return ``(dx [T, H], dW1 [G, 2I, H], d_weights [S])``: the dgrad ``dh @ W1`` reduced over the K
     slots, the K-grouped ``dW1 = dh^T x_sorted`` (the dispatch of ``x`` recomputed as transient gathers
-    that run beside the GEMMs, :mod:`~megamoe.backends.triton.side_gather`), and the rows'
-    ``grad_weights_R`` back at their slots (0 for dropped ones), carried by ``dx``'s combine.
+    that run beside the GEMMs, :mod:`~megamoe.backends.triton.side_gather`), and, with
+    ``dweights_with_dx`` (which needs ``need_dx``), the rows' ``grad_weights_R`` back at their slots (0
+    for dropped ones), carried by ``dx``'s combine.
 
     ``x_sorted [R, H]`` is gathered and used in column chunks (:func:`~.configs.column_chunks`): the first beside
     the dgrad, each next one beside the wgrad of the one before, so at most two chunks are alive at a
@@ -282,11 +283,11 @@ def gemm1_backward(
     R = grad_h_R2I.shape[0]
     dx = x_TH.new_empty(T, H) if need_dx else x_TH.new_empty(0)
     dw1 = w1_G2IH.new_empty(0)
-    d_weights = grad_weights_R.new_empty(slot_row_S.shape[0] if need_dweights else 0)
+    if dweights_with_dx and not need_dx:
+        raise ValueError("dweights_with_dx: the weight gradient is carried by dx's combine; need_dx too")
+    d_weights = grad_weights_R.new_empty(slot_row_S.shape[0] if dweights_with_dx else 0)
     if R == 0:  # every output is written by a kernel below; with no rows they are all zero
         return dx.zero_(), torch.zeros_like(w1_G2IH) if need_dw1 else dw1, d_weights.zero_()
-    if need_dweights and not need_dx:
-        d_weights = pick_slots(grad_weights_R, slot_row_S)
     wgrad_cfg = wgrad_config(x_TH.device)
     chunks = column_chunks(R, H, x_TH.element_size(), wgrad_cfg.block_n) if need_dw1 else []
     x_gather = RowGather(x_TH[:, slice(*chunks[0])], row_token_R) if need_dw1 else None
@@ -306,7 +307,7 @@ def gemm1_backward(
     if x_gather is not None:
         x_gather.start()  # dW1's operand (the dispatch recomputed), gathered while the dgrad runs
     if need_dx:
-        to_slots = (grad_weights_R, d_weights) if need_dweights else None
+        to_slots = (grad_weights_R, d_weights) if dweights_with_dx else None
         combine(dx_rows, slot_row_S, dx, topk=topk, weights_R=None, to_slots=to_slots)
         del dx_rows
     if x_gather is not None:
@@ -336,7 +337,7 @@ def _(
     grad_weights_R,
     need_dx,
     need_dw1,
-    need_dweights,
+    dweights_with_dx,
     topk,
     block_m,
     row_token_R,
@@ -347,4 +348,4 @@ def _(
 ):
     dx = x_TH.new_empty(x_TH.shape) if need_dx else x_TH.new_empty(0)
     dw1 = w1_G2IH.new_empty(w1_G2IH.shape) if need_dw1 else w1_G2IH.new_empty(0)
-    return dx, dw1, grad_weights_R.new_empty(slot_row_S.shape[0] if need_dweights else 0)
+    return dx, dw1, grad_weights_R.new_empty(slot_row_S.shape[0] if dweights_with_dx else 0)
