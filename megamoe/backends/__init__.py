@@ -139,6 +139,7 @@ def transport_name(
 
 
 _CACHE: dict[tuple, ExpertBackend] = {}
+_ONE_RANK = EPSettings()
 
 
 def get_backend(
@@ -152,14 +153,15 @@ def get_backend(
 ) -> ExpertBackend:
     """The backend for ``name`` and ``precision`` (``auto`` resolved for ``device``/``dtype``) with its
     transport for ``ep_size`` ranks, created once per combination; ``settings`` default to
-    :meth:`EPSettings.from_env`."""
+    :meth:`EPSettings.from_env` at ``ep_size > 1``."""
     if precision not in PRECISIONS:
         raise InvalidConfigError(
             "precision", precision, "unknown expert precision", f"Use one of {', '.join(PRECISIONS)}"
         )
     if name not in BACKEND_NAMES:
         raise InvalidConfigError("backend", name, "unknown backend", f"Use one of {', '.join(BACKEND_NAMES)}")
-    settings = EPSettings.from_env() if settings is None else settings
+    if settings is None:  # one rank moves no tokens: no variable to read on every call
+        settings = _ONE_RANK if ep_size == 1 else EPSettings.from_env()
     concrete = resolve_backend_name(name, device=device, dtype=dtype, precision=precision)
     transport = transport_name(
         concrete, device=device, ep_size=ep_size, settings=settings, precision=precision
