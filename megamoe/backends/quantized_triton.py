@@ -64,7 +64,16 @@ class RowExperts(Protocol):
         """``x``'s rows moved to their experts by ``moved``, in the form :meth:`gemm1` reads: bf16 rows,
         or rows quantised at the source where the format's tiles move with their rows."""
 
-    def gemm1(self, rows: Any, w1_G2IH: Tensor, plan: Any, a_rows: Tensor | None) -> Tensor: ...
+    def gemm1(
+        self,
+        rows: Any,
+        w1_G2IH: Tensor,
+        plan: Any,
+        a_rows: Tensor | None,
+        row_values: tuple[Tensor, Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """``h [R, 2I]``, padding rows zero; ``row_values = (values_S, row_slot_R, out_R)``: also
+        ``out_R[r] = values_S[row_slot_R[r]]`` (0 on padding rows), in a launch GEMM1 makes anyway."""
 
     def gemm2(self, h_R2I: Tensor, w2_GHI: Tensor, plan: Any) -> Tensor: ...
 
@@ -127,8 +136,12 @@ class QuantizedTritonBackend(TransportBackend):
         self.experts.check_widths(x_TH.shape[1], w1_G2IH.shape[1] // 2)
         r = plan.rows.routing
         rows = self.experts.dispatch_rows(x_TH, plan.moved)
-        weights_R = r.row_values_R(plan.moved.weights_in(topk_weights_TK))
-        return self.experts.gemm1(rows, w1_G2IH, plan.rows, r.row_token_R), weights_R, None
+        weights_S = plan.moved.weights_in(topk_weights_TK)
+        weights_R = weights_S.new_empty(r.num_rows)  # picked by GEMM1's padding launch
+        h = self.experts.gemm1(
+            rows, w1_G2IH, plan.rows, r.row_token_R, row_values=(weights_S, r.row_slot_R, weights_R)
+        )
+        return h, weights_R, None
 
     def stage2_forward(
         self,

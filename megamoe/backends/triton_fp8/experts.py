@@ -173,13 +173,22 @@ class FP8Experts:
         """``t(x)``, quantised rowwise at the source, moved as E4M3 bytes and scales."""
         return moved.quantized_tokens_in(quantize_rows(x_TH.contiguous()))
 
-    def gemm1(self, rows: FP8Tensor, w1_G2IH: Tensor, plan: RowPlan, a_rows: Tensor | None) -> Tensor:
-        """``h [R, 2I] = t(x) b(W1)^T`` from :meth:`dispatch_rows`'s rows, padding rows zero."""
+    def gemm1(
+        self,
+        rows: FP8Tensor,
+        w1_G2IH: Tensor,
+        plan: RowPlan,
+        a_rows: Tensor | None,
+        row_values: tuple[Tensor, Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """``h [R, 2I] = t(x) b(W1)^T`` from :meth:`dispatch_rows`'s rows, padding rows zero;
+        ``row_values = (values_S, row_slot_R, out_R)``: also each row's value from its slot
+        (:func:`~megamoe.backends.triton.padding.zero_padding_rows`'s, in the same launch)."""
         r = plan.routing
         h = w1_G2IH.new_empty(r.num_rows, w1_G2IH.shape[1])  # x's dtype (the ops check they agree)
         if h.numel():
             self._gemm(rows, self._w(w1_G2IH, transposed=False), h, plan, a_rows)
-            zero_padding_rows(r.expert_start_G1, h)
+        zero_padding_rows(r.expert_start_G1, h, row_values=row_values)
         return h
 
     def gemm2(self, h_R2I: Tensor, w2_GHI: Tensor, plan: RowPlan) -> Tensor:

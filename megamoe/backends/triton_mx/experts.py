@@ -135,15 +135,24 @@ class MXExperts:
         """bf16 rows travel; :meth:`gemm1` quantises them where they land."""
         return moved.tokens_in(x_TH)
 
-    def gemm1(self, rows: Tensor, w1_G2IH: Tensor, plan: RowPlan, a_rows: Tensor | None) -> Tensor:
-        """``h [R, 2I] = q(x) q(W1)^T``, padding rows zero."""
+    def gemm1(
+        self,
+        rows: Tensor,
+        w1_G2IH: Tensor,
+        plan: RowPlan,
+        a_rows: Tensor | None,
+        row_values: tuple[Tensor, Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """``h [R, 2I] = q(x) q(W1)^T``, padding rows zero; ``row_values = (values_S, row_slot_R, out_R)``:
+        also each row's value from its slot (:func:`~megamoe.backends.triton.padding.zero_padding_rows`'s,
+        in the same launch)."""
         r = plan.routing
         h = rows.new_empty(r.num_rows, w1_G2IH.shape[1])
         if h.numel():
             self._gemm(
                 self._quantize(rows, plan, a_rows), self._w(w1_G2IH, transposed=False), h, plan, a_rows
             )
-            zero_padding_rows(r.expert_start_G1, h)
+        zero_padding_rows(r.expert_start_G1, h, row_values=row_values)
         return h
 
     def gemm2(

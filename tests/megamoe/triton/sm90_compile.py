@@ -251,7 +251,8 @@ def _routing(experts: int) -> dict:
 
 def _small_kernels() -> dict:
     """side_gather.gather_rows, swiglu.swiglu_forward/backward, combine.combine (weighted: GEMM2; not:
-    the dgrad's dx) and padding.zero_padding_rows, as they launch on CUDA."""
+    the dgrad's dx) and padding.zero_padding_rows (also picking the quantised GEMM1's routing weights), as
+    they launch on CUDA."""
     block_r, block_i = _swiglu_blocks(I)
     block_h = min(triton.next_power_of_2(H), 2048)
     forward = dict(h_ptr="*bf16", a_ptr="*bf16", valid_ptr="*i32", I=I, BLOCK_R=block_r, BLOCK_I=block_i)
@@ -260,9 +261,10 @@ def _small_kernels() -> dict:
         d_weight_ptr="*fp32", valid_ptr="*i32", R=R, I=I, BLOCK_R=min(block_r, 16), BLOCK_I=block_i,
     )  # fmt: skip
     padding = dict(
-        a_ptr="*bf16", b_ptr="*bf16", valid_rows_ptr="*i32", R=R, NA=2 * I, NB=I, BLOCK_R=32,
-        BLOCK_N=min(triton.next_power_of_2(2 * I), 256),
+        a_ptr="*bf16", b_ptr="*bf16", valid_rows_ptr="*i32", slot_values_ptr=None, row_slot_ptr=None,
+        row_values_ptr=None, R=R, NA=2 * I, NB=I, BLOCK_R=32, BLOCK_N=min(triton.next_power_of_2(2 * I), 256),
     )  # fmt: skip
+    picking = dict(padding, slot_values_ptr="*fp32", row_slot_ptr="*i32", row_values_ptr="*fp32")
     gather = dict(
         src_ptr="*bf16", index_ptr="*i32", out_ptr="*bf16", next_block_ptr="*i32", R=R, H=H, stride_src=H,
         BLOCK_R=GATHER_BLOCK_R, BLOCK_H=GATHER_BLOCK_H,
@@ -283,6 +285,7 @@ def _small_kernels() -> dict:
         "swiglu forward": (_swiglu_forward_kernel, forward, {}),
         "swiglu backward": (_swiglu_backward_kernel, backward, {}),
         "zero padding rows": (_zero_padding_rows_kernel, padding, {}),
+        "zero padding rows, picking each row's routing weight": (_zero_padding_rows_kernel, picking, {}),
     }
     for name, weighted, to_slots in (
         ("combine, weighted", True, False),
