@@ -20,8 +20,9 @@ Both are measured with ``torch.autograd.grad`` of a fixed output gradient, so no
 Written under ``--out`` (default ``./output/bench/sweep_small_t/<time>``): ``table.md`` (printed too),
 ``results.json`` and ``speedup.png`` (ours / torch speed-up against T per shape, eager and graph).
 ``--cprofile H1024-E8-K2:1024`` also writes ``cprofile.txt``: where the host time of our eager call
-goes, by Triton launch (the host's microseconds in each kernel's launch) and by Python function. Without matplotlib on the GPU machine the plot is skipped;
-``--replot DIR`` draws it (and rewrites the table) from ``DIR/results.json`` anywhere.
+goes, by Triton launch (the host's microseconds in each kernel's launch) and by Python function.
+Without matplotlib on the GPU machine the plot is skipped; ``--replot DIR`` draws it (and rewrites the
+table) from ``DIR/results.json`` anywhere.
 """
 
 from __future__ import annotations
