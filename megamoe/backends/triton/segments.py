@@ -31,6 +31,19 @@ def _block_starts_kernel(
     tl.store(block_start_ptr + G, tl.sum(blocks, 0))
 
 
+@triton.jit
+def segment_of_block(block_start_ptr, block, G, BINS: tl.constexpr):
+    """Segment (expert) ``g`` holding the block slot ``block``, and ``block_start[g]``.
+
+    ``block_start [G + 1]`` is the exclusive prefix sum of each segment's block count; a slot at or
+    past ``block_start[G]`` gets ``g = G`` (no segment).
+    """
+    bins = tl.arange(0, BINS)
+    ends = tl.load(block_start_ptr + 1 + bins, mask=bins < G, other=2147483647)
+    g = tl.sum((ends <= block).to(tl.int32), axis=0)
+    return g, tl.load(block_start_ptr + tl.minimum(g, G))
+
+
 def block_starts(row_start_G1: Tensor, *, block: int, align: int = 1) -> Tensor:
     """``block_start [G + 1]`` (int32, on ``row_start_G1``'s device): the exclusive prefix sum over the
     experts of ``ceil(rows / block)`` rounded up to a multiple of ``align``, where expert ``g`` has rows

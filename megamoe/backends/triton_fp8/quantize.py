@@ -27,14 +27,13 @@ import triton.language as tl
 from torch import Tensor
 
 from megamoe.backends.triton.grid import cdiv, next_power_of_2
-from megamoe.backends.triton.segments import block_starts
+from megamoe.backends.triton.segments import block_starts, segment_of_block
 from megamoe.backends.triton_fp8.fp8_math import (
     TILE,
     quantize_along_cols,
     quantize_along_rows,
     quantize_block,
 )
-from megamoe.backends.triton_mx.mx_math import segment_of_block
 from megamoe.quant.fp8 import FP8Tensor
 
 

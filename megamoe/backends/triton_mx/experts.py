@@ -181,9 +181,8 @@ class MXExperts:
         ``dh_over_h``: write ``dh`` over ``h`` (the SwiGLU backward reads each element before writing it)."""
         r = plan.routing
         R, inter = h_R2I.shape[0], h_R2I.shape[1] // 2
-        # routed rows: the SwiGLU pass; padding rows: zeroed below
         dh = h_R2I if dh_over_h else h_R2I.new_empty(R, 2 * inter)
-        d_weights = torch.zeros(R, dtype=torch.float32, device=h_R2I.device)
+        d_weights = torch.empty(R, dtype=torch.float32, device=h_R2I.device)
         if not R:
             return dh, d_weights, torch.zeros_like(w2_GHI) if need_dw2 else None
         da = torch.empty(R, inter, dtype=torch.float32, device=h_R2I.device)
@@ -192,11 +191,9 @@ class MXExperts:
             h_R2I, da, weights_R, dh, d_weights, r.expert_start_G1, plan.block_start_G1, plan.num_blocks
         )
         del da  # fp32 [R, I]: freed before dW2 and its operand are allocated (less at the peak)
-        zero_padding_rows(r.expert_start_G1, dh)
         dw2 = None
         if need_dw2:
-            dw2 = torch.zeros_like(w2_GHI)
-            self._wgrad(self._along_r(dy_rows, plan, a_rows), aw, dw2, plan)
+            dw2 = self._wgrad(self._along_r(dy_rows, plan, a_rows), aw, torch.empty_like(w2_GHI), plan)
         return dh, d_weights, dw2
 
     def dgrad1(
@@ -226,8 +223,7 @@ class MXExperts:
         scratch: Tensor | None = None,
     ) -> Tensor:
         """``dW1 = q(dh)^T q(x)``, both along R (each in its own buffer: ``scratch`` is not used)."""
-        dw1 = torch.zeros_like(w1_G2IH)
-        if grad_h_R2I.shape[0]:
-            p = self._along_r(grad_h_R2I, plan, None)
-            self._wgrad(p, self._along_r(rows, plan, a_rows), dw1, plan)
-        return dw1
+        if not grad_h_R2I.shape[0]:
+            return torch.zeros_like(w1_G2IH)
+        p = self._along_r(grad_h_R2I, plan, None)
+        return self._wgrad(p, self._along_r(rows, plan, a_rows), torch.empty_like(w1_G2IH), plan)

@@ -128,19 +128,6 @@ def quantize_along_rows(v):
 
 
 @triton.jit
-def segment_of_block(block_start_ptr, block, G, BINS: tl.constexpr):
-    """Segment (expert) ``g`` holding the 32-row block slot ``block``, and ``block_start[g]``.
-
-    ``block_start [G + 1]`` is the exclusive prefix sum of each segment's block count; a slot at or
-    past ``block_start[G]`` gets ``g = G`` (no segment).
-    """
-    bins = tl.arange(0, BINS)
-    ends = tl.load(block_start_ptr + 1 + bins, mask=bins < G, other=2147483647)
-    g = tl.sum((ends <= block).to(tl.int32), axis=0)
-    return g, tl.load(block_start_ptr + tl.minimum(g, G))
-
-
-@triton.jit
 def swizzle(tile_id, num_m, num_n, GROUP_M: tl.constexpr):
     """``(m tile, n tile)`` of a persistent loop's ``tile_id``: GROUP_M row tiles share each column sweep
     (L2 reuse of B), as in the bf16 grouped GEMM; a copy so the MX kernels do not import its privates."""

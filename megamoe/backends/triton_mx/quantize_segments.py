@@ -27,8 +27,8 @@ import triton.language as tl
 from torch import Tensor
 
 from megamoe.backends.triton.grid import cdiv, next_power_of_2
-from megamoe.backends.triton.segments import block_starts
-from megamoe.backends.triton_mx.mx_math import quantize_along_rows, segment_of_block
+from megamoe.backends.triton.segments import block_starts, segment_of_block
+from megamoe.backends.triton_mx.mx_math import quantize_along_rows
 from megamoe.quant.mx import BLOCK, MXTensor
 
 

@@ -17,9 +17,10 @@ import sys
 import triton
 from triton.experimental.gluon import language as gl
 
+from megamoe.backends.triton.swiglu_quant import swiglu_backward_quant_kernel, swiglu_quant_kernel
 from megamoe.backends.triton_fp8 import wgmma_gemm, wgmma_wgrad
 from megamoe.backends.triton_fp8.configs import GPU_WGMMA, GPU_WGMMA_WGRAD, gemm_config, wgrad_config
-from megamoe.backends.triton_fp8.fp8_math import TILE
+from megamoe.backends.triton_fp8.fp8_math import TILE, quantize_along_cols, quantize_along_rows
 from megamoe.backends.triton_fp8.grouped_gemm import _fp8_grouped_gemm_kernel
 from megamoe.backends.triton_fp8.quantize import (
     _quantize_blocks_kernel,
@@ -27,7 +28,6 @@ from megamoe.backends.triton_fp8.quantize import (
     _quantize_segments_kernel,
     row_block,
 )
-from megamoe.backends.triton_fp8.swiglu import _swiglu_backward_kernel, _swiglu_quant_kernel
 from megamoe.backends.triton_fp8.wgrad import _fp8_wgrad_kernel
 from tests.megamoe.triton.sm90_compile import CUDA, NUM_SMS, G, H, I, R, T, config_constexprs, report
 
@@ -135,16 +135,21 @@ def _swiglu() -> dict:
     block_r, tiles = row_block(I, CUDA)
     forward = dict(
         h_ptr="*bf16", data_ptr="*u8", scale_ptr="*fp32", valid_ptr="*i32", I=I, stride_scale_r=1,
-        stride_scale_k=R, BLOCK_R=block_r, TILES=tiles,
+        stride_scale_k=R, BLOCK_R=block_r, TILES=tiles, TILE=TILE, QUANTIZE_ALONG_COLS=quantize_along_cols,
     )  # fmt: skip
     backward = dict(
         h_ptr="*bf16", da_ptr="*fp32", weight_ptr="*fp32", dh_ptr="*bf16", d_weight_ptr="*fp32",
         aw_data_ptr="*u8", aw_scale_ptr="*fp32", row_start_ptr="*i32", block_start_ptr="*i32", R=R, G=G, I=I,
-        stride_aw=NUM_BLOCKS * TILE, stride_aw_scale_x=1, stride_aw_scale_b=I, BINS=BINS, BLOCK_I=32,
+        stride_aw=NUM_BLOCKS * TILE, stride_aw_scale_x=1, stride_aw_scale_b=I, BINS=BINS, BLOCK_I=32, TILE=TILE,
+        QUANTIZE_ALONG_ROWS=quantize_along_rows,
     )  # fmt: skip
     return {
-        "swiglu + quantize rows (fc2 A)": (_swiglu_quant_kernel, forward, {"num_warps": 4}),
-        "swiglu backward + quantize along R (dW2 Q)": (_swiglu_backward_kernel, backward, {"num_warps": 8}),
+        "swiglu + quantize rows (fc2 A)": (swiglu_quant_kernel, forward, {"num_warps": 4}),
+        "swiglu backward + quantize along R (dW2 Q)": (
+            swiglu_backward_quant_kernel,
+            backward,
+            {"num_warps": 8},
+        ),
     }
 
 

@@ -18,11 +18,12 @@ import sys
 
 import triton
 
+from megamoe.backends.triton.swiglu_quant import swiglu_backward_quant_kernel, swiglu_quant_kernel
 from megamoe.backends.triton_mx.configs import WGRAD_BLOCK_ALIGN, gemm_config, wgrad_config
 from megamoe.backends.triton_mx.grouped_gemm import _mx_grouped_gemm_kernel
+from megamoe.backends.triton_mx.mx_math import quantize_along_cols, quantize_along_rows
 from megamoe.backends.triton_mx.quantize_rows import _quantize_rows_kernel
 from megamoe.backends.triton_mx.quantize_segments import _quantize_segments_kernel
-from megamoe.backends.triton_mx.swiglu import _swiglu_backward_kernel, _swiglu_quant_kernel
 from megamoe.backends.triton_mx.wgrad import _mx_wgrad_kernel
 from megamoe.quant.mx import BLOCK
 from tests.megamoe.triton.sm90_compile import CUDA, NUM_SMS, G, H, I, R, T, config_constexprs, report
@@ -97,17 +98,22 @@ def _swiglu() -> dict:
     block_i = min(triton.next_power_of_2(max(I, BLOCK)), 256)
     forward = dict(
         h_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", valid_ptr="*i32", I=I, stride_scale_r=1,
-        stride_scale_b=R, BLOCK_R=max(1, 4096 // block_i), BLOCK_I=block_i,
+        stride_scale_k=R, BLOCK_R=max(1, 4096 // block_i), TILES=block_i // BLOCK, TILE=BLOCK,
+        QUANTIZE_ALONG_COLS=quantize_along_cols,
     )  # fmt: skip
     backward = dict(
         h_ptr="*bf16", da_ptr="*fp32", weight_ptr="*fp32", dh_ptr="*bf16", d_weight_ptr="*fp32",
-        aw_data_ptr="*u8", aw_scale_ptr="*u8", row_start_ptr="*i32", block_start_ptr="*i32", G=G, I=I,
-        aw_data_x=NUM_BLOCKS * BLOCK, aw_scale_x=1, aw_scale_b=I, BINS=BINS,
-        BLOCK_I=min(triton.next_power_of_2(max(I, BLOCK)), 128),
+        aw_data_ptr="*u8", aw_scale_ptr="*u8", row_start_ptr="*i32", block_start_ptr="*i32", R=R, G=G, I=I,
+        stride_aw=NUM_BLOCKS * BLOCK, stride_aw_scale_x=1, stride_aw_scale_b=I, BINS=BINS,
+        BLOCK_I=min(triton.next_power_of_2(max(I, BLOCK)), 64), TILE=BLOCK, QUANTIZE_ALONG_ROWS=quantize_along_rows,
     )  # fmt: skip
     return {
-        "swiglu + quantize rows (fc2 A)": (_swiglu_quant_kernel, forward, {"num_warps": 4}),
-        "swiglu backward + quantize along R (dW2 Q)": (_swiglu_backward_kernel, backward, {"num_warps": 4}),
+        "swiglu + quantize rows (fc2 A)": (swiglu_quant_kernel, forward, {"num_warps": 4}),
+        "swiglu backward + quantize along R (dW2 Q)": (
+            swiglu_backward_quant_kernel,
+            backward,
+            {"num_warps": 4},
+        ),
     }
 
 

@@ -13,10 +13,6 @@ from __future__ import annotations
 
 from tests.megamoe.sm90 import assert_compiles_for_sm90
 
-# ptxas's spill bytes today (a bound, so that growth is still caught): the SwiGLU backward keeps
-# [32, 128] fp32 tiles of h, da and their products live with the along-R quantisation
-KNOWN_SPILLS = {"swiglu backward + quantize along R (dW2 Q)": 40}
-
 
 def test_every_launch_compiles_for_sm90_without_spills() -> None:
-    assert_compiles_for_sm90("tests.megamoe.triton_mx.sm90_compile", KNOWN_SPILLS)
+    assert_compiles_for_sm90("tests.megamoe.triton_mx.sm90_compile")
