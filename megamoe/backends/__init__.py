@@ -10,7 +10,8 @@ PyTorch reference everywhere else.
 :mod:`megamoe.backends.triton_fp8`, composed with a transport by
 :mod:`megamoe.backends.quantized_triton`), which ``auto`` picks for bf16 on CUDA, and the exact
 emulation (:mod:`megamoe.backends.quantized_reference`), the choice everywhere else. FP8 at EP > 1
-runs over the NCCL transport (no symmetric-memory kernels for it yet).
+runs over the NCCL transport unless the symmetric-memory one is asked for
+(:mod:`megamoe.backends.triton_fp8.ep_symm`).
 """
 
 from __future__ import annotations
@@ -47,12 +48,9 @@ def _triton(precision: str, transport: str, settings: EPSettings) -> ExpertBacke
     _require_triton()
     if transport == "symm":
         if precision == "fp8":
-            raise UnsupportedSettingError(
-                "ep_transport",
-                "symm",
-                "precision='fp8' has no symmetric-memory EP kernels yet",
-                "Set the EP transport to 'nccl' (turbo_mega_moe_ep_transport: nccl, or MEGAMOE_EP_TRANSPORT=nccl)",
-            )
+            from megamoe.backends.triton_fp8.ep_symm import FP8SymmBackend
+
+            return FP8SymmBackend(settings.symm)
         if precision == "mxfp8":
             from megamoe.backends.triton_mx.ep_symm import MXFP8SymmBackend
 

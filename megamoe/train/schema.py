@@ -308,7 +308,7 @@ class TurboConfig:
     turbo_mega_moe_ep_transport: Literal["symm", "nccl"] | None = None
     """How tokens move at EP > 1 (Triton backends): ``symm`` fuses the exchange into the grouped GEMMs
     over symmetric memory (one node), ``nccl`` runs all-to-all around them; null: MEGAMOE_EP_TRANSPORT,
-    else symm on CUDA."""
+    else symm on CUDA (nccl for fp8, whose symm path has not run on GPUs yet)."""
     turbo_mega_moe_symm_dispatch: Literal["push", "pull", "broadcast"] | None = None
     """The fused path's row movement; null: MEGAMOE_SYMM_DISPATCH, else broadcast at EP=2, push above."""
     turbo_mega_moe_symm_max_tokens: int | None = None

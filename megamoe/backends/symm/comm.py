@@ -292,3 +292,50 @@ def pool_tokens_kernel(
     token = tl.load(send_token_ptr + pos, mask=own, other=0)
     token += tl.load(bcast_tok_ptr + src.to(tl.int64) * stage_slots + pos, mask=peer, other=0)
     tl.store(out_ptr + rows, src * stage_rows + token, mask=rows < P)
+
+
+@triton.jit(do_not_specialize=["rank", "world", "H", "N", "col0", "stride_rows", "num_programs"])
+def return_rows_kernel(
+    rows_ptr, valid_ptr, row_scale_ptr, scalar_ptr, row_src_ptr, row_pos_ptr, combine_ptr, combine_scalar_ptr,
+    combine_ready_ptr, epoch_ptr, done_ptr, ptrs_dev, rank, world, H, N, col0, stride_rows, num_programs,
+    ROW_SCALE: tl.constexpr, PUSH_SCALAR: tl.constexpr, SIGNAL: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Each valid pool row ``r`` (``< valid``) home, for expert GEMMs without a remote epilogue: its ``N``
+    columns into columns ``[col0, col0 + N)`` of ``combine[pos[r]]`` on rank ``src[r]`` (times
+    ``row_scale[r]``, in fp32, with ``ROW_SCALE``), and ``scalar[r]`` into ``combine_scalar[pos[r]]``
+    there (``PUSH_SCALAR``). ``SIGNAL``: the last program out releases ``combine_ready[rank]`` on every
+    rank, once every program's stores are visible (as the GEMMs' remote epilogues do)."""
+    valid = tl.load(valid_ptr)
+    bases = ptrs_dev.to(tl.pointer_type(tl.int64))
+    elem = combine_ptr.dtype.element_ty.primitive_bitwidth // 8
+    for r0 in range(tl.program_id(0) * BLOCK_R, valid, num_programs * BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        ok = rows < valid
+        src = tl.load(row_src_ptr + rows, mask=ok, other=0)
+        pos = tl.load(row_pos_ptr + rows, mask=ok, other=0).to(tl.int64)
+        shift = tl.load(bases + src, mask=ok, other=0) - tl.load(bases + rank)
+        dst = shift // elem + pos * H + col0
+        if ROW_SCALE:
+            scale = tl.load(row_scale_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            mask = ok[:, None] & (cols < N)[None, :]
+            v = tl.load(rows_ptr + rows.to(tl.int64)[:, None] * stride_rows + cols[None, :], mask=mask)
+            if ROW_SCALE:
+                v = v.to(tl.float32) * scale[:, None]
+            tl.store(
+                combine_ptr + dst[:, None] + cols[None, :], v.to(combine_ptr.dtype.element_ty), mask=mask
+            )
+        if PUSH_SCALAR:
+            v = tl.load(scalar_ptr + rows, mask=ok, other=0.0)
+            tl.store(combine_scalar_ptr + shift // 4 + pos, v, mask=ok)
+    if SIGNAL:
+        tl.debug_barrier()
+        if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys") == num_programs - 1:
+            tl.store(done_ptr, 0)
+            epoch = tl.load(epoch_ptr)
+            for r in range(world):
+                tl.atomic_xchg(
+                    peer_ptr(combine_ready_ptr, bases, rank, r) + rank, epoch, sem="release", scope="sys"
+                )

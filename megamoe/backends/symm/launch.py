@@ -8,7 +8,12 @@ import torch
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.backends.symm.comm import gather_broadcast_rows_kernel, pool_tokens_kernel, pool_weights_kernel
+from megamoe.backends.symm.comm import (
+    gather_broadcast_rows_kernel,
+    pool_tokens_kernel,
+    pool_weights_kernel,
+    return_rows_kernel,
+)
 from megamoe.backends.symm.gemm_tile import MAX_FLAT_WORLD
 from megamoe.backends.symm.kernels import (
     COMM_ONLY,
@@ -22,7 +27,7 @@ from megamoe.backends.symm.kernels import (
 )
 from megamoe.backends.symm.layout import SymmLayout
 from megamoe.backends.symm.signals import barrier_kernel, wait_kernel
-from megamoe.backends.symm.workspace import SymmWorkspace
+from megamoe.backends.symm.workspace import STATE_DONE, STATE_EPOCH, SymmWorkspace
 from megamoe.backends.triton.configs import gemm_config, num_programs
 from megamoe.backends.triton.grid import cdiv, next_power_of_2
 from megamoe.backends.triton.side_gather import BLOCK_H as GATHER_BLOCK_H
@@ -218,6 +223,35 @@ def pool_tokens(ws: SymmWorkspace, layout: SymmLayout, send_token_S: Tensor) -> 
         out, ws.rank, ws.num_local_experts, P, ws.max_tokens, ws.max_tokens * ws.key.topk, BLOCK=block,
     )  # fmt: skip
     return out
+
+
+def return_rows(
+    ws: SymmWorkspace,
+    layout: SymmLayout,
+    rows_PN: Tensor,
+    *,
+    first_column: int = 0,
+    row_scale_P: Tensor | None = None,
+    scalar_P: Tensor | None = None,
+    signal: bool = True,
+) -> None:
+    """Send the valid pool rows of ``rows_PN`` (columns ``first_column`` on of each source's combine slot)
+    home, in one launch (:func:`~megamoe.backends.symm.comm.return_rows_kernel`); ``signal`` on the last
+    call of an op, which every rank makes, also one without rows (its peers wait for its flag)."""
+    P, N = rows_PN.shape
+    if rows_PN.stride(1) != 1 and N > 1:
+        raise ValueError(f"rows to return need unit column stride, got strides {rows_PN.stride()}")
+    cuda = rows_PN.device.type == "cuda"
+    block_n = min(next_power_of_2(max(N, 1)), 256 if cuda else 32)
+    block_r = max(1, 4096 // block_n) if cuda else 4
+    grid = max(1, min(num_programs(rows_PN.device), cdiv(P, block_r)))
+    return_rows_kernel[(grid,)](
+        rows_PN, layout.expert_start_G1[-1:], row_scale_P, scalar_P, layout.row_src_R, layout.row_pos_R,
+        ws.view("combine"), ws.view("combine_scalar"), ws.view("combine_ready"), ws.state[STATE_EPOCH:],
+        ws.state[STATE_DONE:], ws.ptrs_dev, ws.rank, ws.world, ws.key.hidden, N, first_column,
+        rows_PN.stride(0), grid, ROW_SCALE=row_scale_P is not None, PUSH_SCALAR=scalar_P is not None,
+        SIGNAL=signal, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4 if cuda else 1,
+    )  # fmt: skip
 
 
 def join_broadcast(ws: SymmWorkspace) -> None:

@@ -2,11 +2,11 @@
 
 Legend: T tokens, H hidden, K top-k, P pool rows (expert-major, rows past ``expert_start[G]`` are padding).
 
-For expert backends whose GEMMs start once all their rows arrived (the MXFP8 kernels): the rows
-routed to this rank are made readable first, by row index from the broadcast copies or in pool
+For expert backends whose GEMMs start once all their rows arrived (the MXFP8 and FP8 kernels): the
+rows routed to this rank are made readable first, by row index from the broadcast copies or in pool
 order from a filled pool; the GEMM that makes the expert outputs sends each row to its source's
-combine slot from its epilogue and releases ``combine_ready`` (as the bf16 fused kernel does), and the
-source sums over K. It uses the fused path's workspace, layout, ops and signals (each step one op, its
+combine slot from its epilogue and releases ``combine_ready`` (as the bf16 fused kernel does; MXFP8),
+or writes them here and :func:`return_rows` sends them (FP8), and the source sums over K. It uses the fused path's workspace, layout, ops and signals (each step one op, its
 barrier first), so it needs no host sync and captures in a CUDA graph; the dispatch does not overlap
 with the GEMMs::
 
@@ -14,7 +14,8 @@ with the GEMMs::
     dispatch_rows   broadcast mode: copy src_TH to every peer (copy engines) and into this rank's own
                     slot, wait, each pool row's index into the copies; push and pull mode: the fused
                     kernel's comm role alone fills the pool; wait
-    ...             the backend's GEMMs; the last one stores its rows at their sources
+    ...             the backend's GEMMs; the last one stores its rows at their sources, or
+    return_rows     sends the rows it wrote home (one launch)
     wait_returned   every peer's rows for this rank landed
     combine_rows    y[t] = sum_k combine[slot (t, k)]   (fixed order, fp32)
 """
@@ -66,6 +67,30 @@ def dispatch_rows(
         rows, index = ws.view("pool"), None
     weights = None if weights_TK is None else launch.pool_weights(ws, lay, send_weight_S, weights_TK.dtype)
     return rows, index, weights
+
+
+def return_rows(
+    plan: SymmPlan,
+    rows_PN: Tensor,
+    *,
+    first_column: int = 0,
+    row_scale_P: Tensor | None = None,
+    scalar_P: Tensor | None = None,
+    last: bool = True,
+) -> None:
+    """After a GEMM that wrote this rank's pool rows ``[P, N]`` here: each valid row into columns
+    ``first_column`` on of its source's combine slot (times ``row_scale_P``, with ``scalar_P`` beside
+    it). ``last``: the op's last call (every rank makes one, also without rows), which releases
+    ``combine_ready`` for :func:`wait_returned`."""
+    launch.return_rows(
+        plan.ws,
+        plan.layout,
+        rows_PN,
+        first_column=first_column,
+        row_scale_P=None if row_scale_P is None else row_scale_P.contiguous(),
+        scalar_P=None if scalar_P is None else scalar_P.float().contiguous(),
+        signal=last,
+    )
 
 
 def wait_returned(plan: SymmPlan) -> None:

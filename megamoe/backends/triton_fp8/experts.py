@@ -164,7 +164,7 @@ class FP8Experts:
         )
 
     @staticmethod
-    def _rowwise(rows: Tensor, plan: RowPlan, a_rows: Tensor | None) -> FP8Tensor:
+    def rowwise(rows: Tensor, plan: RowPlan, a_rows: Tensor | None) -> FP8Tensor:
         """Rowwise tiles of the rows a GEMM reads (in row order: the valid ones only)."""
         return quantize_rows(rows, valid_rows_1=None if a_rows is not None else plan.valid_rows_1)
 
@@ -220,7 +220,7 @@ class FP8Experts:
         if not R:
             return dh, d_weights, torch.zeros_like(w2_GHI) if need_dw2 else None
         da = torch.empty(R, inter, dtype=torch.float32, device=h_R2I.device)
-        self._gemm(self._rowwise(dy_rows, plan, a_rows), self._w(w2_GHI, transposed=True), da, plan, a_rows)
+        self._gemm(self.rowwise(dy_rows, plan, a_rows), self._w(w2_GHI, transposed=True), da, plan, a_rows)
         aw = swiglu_backward_quant(
             h_R2I, da, weights_R, dh, d_weights, r.expert_start_G1, plan.block_start_G1, plan.num_blocks
         )

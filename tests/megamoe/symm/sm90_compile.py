@@ -14,7 +14,12 @@ from __future__ import annotations
 import json
 import sys
 
-from megamoe.backends.symm.comm import gather_broadcast_rows_kernel, pool_tokens_kernel, pool_weights_kernel
+from megamoe.backends.symm.comm import (
+    gather_broadcast_rows_kernel,
+    pool_tokens_kernel,
+    pool_weights_kernel,
+    return_rows_kernel,
+)
 from megamoe.backends.symm.kernels import GemmOperands, SendTables, WorkspaceViews, fused_kernel
 from megamoe.backends.symm.launch import FUSED_LAUNCHES, VARIANTS, LaunchFlags
 from megamoe.backends.symm.layout import _layout_kernel
@@ -167,6 +172,21 @@ for _broadcast in (False, True):
             row_src_ptr="*i32", row_pos_ptr="*i32", expert_start_ptr="*i32",
             own_weight_ptr="*fp32" if _broadcast else None, copied_weight_ptr="*fp32", out_ptr="*bf16",
             rank="i32", G="i32", P="i32", stage_slots="i32", BROADCAST=_broadcast, BLOCK=1024,
+        ),
+        {"num_warps": 4},
+    )  # fmt: skip
+
+# the FP8 path's rows home after its GEMMs (launch.return_rows): fc2's rows * weight, fc1-dgrad's with d(weight)
+for _name, _flags in (("fc2 rows * weight", (True, False)), ("fc1 dgrad rows + d(weight)", (False, True))):
+    LAUNCHES[f"unfused transport (FP8): {_name} home"] = (
+        return_rows_kernel,
+        dict(
+            rows_ptr="*bf16", valid_ptr="*i32", row_scale_ptr="*bf16" if _flags[0] else None,
+            scalar_ptr="*fp32" if _flags[1] else None, row_src_ptr="*i32", row_pos_ptr="*i32",
+            combine_ptr="*bf16", combine_scalar_ptr="*fp32", combine_ready_ptr="*i32", epoch_ptr="*i32",
+            done_ptr="*i32", ptrs_dev="i64", rank="i32", world="i32", H="i32", N="i32", col0="i32",
+            stride_rows="i32", num_programs="i32", ROW_SCALE=_flags[0], PUSH_SCALAR=_flags[1], SIGNAL=True,
+            BLOCK_R=16, BLOCK_N=256,
         ),
         {"num_warps": 4},
     )  # fmt: skip

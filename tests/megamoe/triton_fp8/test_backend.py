@@ -272,14 +272,18 @@ def test_fp8_backend_selection() -> None:
     assert isinstance(
         get_backend("auto", device=cpu, dtype=torch.float32, precision="fp8"), FP8ReferenceBackend
     )
-    # EP > 1 on CUDA: FP8 moves its rows over NCCL unless a transport is set, and symm is refused
+    # EP > 1 on CUDA: FP8 moves its rows over NCCL unless a transport is set; symm when asked for
     from megamoe.backends import transport_name
+    from megamoe.backends.triton_fp8.ep_symm import FP8SymmBackend
 
     default = EPSettings.from_env({})
     assert transport_name("triton", device=cuda, ep_size=2, settings=default, precision="fp8") == "nccl"
     symm = EPSettings.from_env({"MEGAMOE_EP_TRANSPORT": "symm"})
-    with pytest.raises(UnsupportedSettingError, match="no symmetric-memory EP kernels"):
-        get_backend("triton", device=cuda, dtype=torch.bfloat16, precision="fp8", ep_size=2, settings=symm)
+    assert transport_name("triton", device=cuda, ep_size=2, settings=symm, precision="fp8") == "symm"
+    over_symm = get_backend(
+        "triton", device=cpu, dtype=torch.float32, precision="fp8", ep_size=2, settings=symm
+    )
+    assert isinstance(over_symm, FP8SymmBackend) and over_symm.name == "triton_fp8_symm"
 
 
 def _ep_rank(rank: int, world: int, case: tuple) -> dict[str, dict[str, torch.Tensor]]:
