@@ -125,7 +125,7 @@ def _layers_rank(
     rank: int, world: int, layers: int, dispatch: str, precision: str = "bf16"
 ) -> list[tuple[str, float]]:
     """Layers back to back over symmetric memory and over NCCL; the SNR of each output between them
-    (shared with tests/megamoe/triton_mx/test_gpu_ep_symm.py, which passes ``precision="mxfp8"``)."""
+    (shared with tests/megamoe/triton_mx/ and triton_fp8/test_gpu_ep_symm.py, which pass their precision)."""
     import os
 
     import torch.distributed as dist
@@ -162,12 +162,13 @@ def test_twenty_layers_back_to_back_match_the_nccl_transport(tmp_path, world, di
 
 def _graph_rank(rank: int, world: int, dispatch: str, precision: str = "bf16") -> dict:
     """A captured forward + backward replayed on new inputs and routing, against eager (shared with
-    tests/megamoe/triton_mx/test_gpu_ep_symm.py, which passes ``precision="mxfp8"``)."""
+    tests/megamoe/triton_mx/ and triton_fp8/test_gpu_ep_symm.py, which pass their precision)."""
     import os
 
     import torch.distributed as dist
 
     os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
+    os.environ["MEGAMOE_EP_TRANSPORT"] = "symm"  # FP8's default is NCCL, which cannot be captured
 
     from megamoe import fused_mega_moe
 

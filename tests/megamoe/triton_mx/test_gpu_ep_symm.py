@@ -35,17 +35,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 DISPATCH = pytest.mark.parametrize("dispatch", ["push", "broadcast"])
 
 
-def _accuracy_rank(rank: int, world: int, tokens: tuple[int, ...], dispatch: str) -> dict[str, float]:
+def accuracy_rank(
+    rank: int, world: int, tokens: tuple[int, ...], dispatch: str, precision: str = "mxfp8"
+) -> dict[str, float]:
+    """SNR of each output against ``precision``'s emulation (also run by the FP8 twin of this module)."""
     import os
 
     import torch.distributed as dist
 
     os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
+    os.environ["MEGAMOE_EP_TRANSPORT"] = "symm"
     group = dist.group.WORLD
     x, idx, tw, dy = _inputs(tokens[rank % len(tokens)], seed=rank)
     w1, w2 = (_local(w, rank) for w in _weights(0))
-    ours = _step(x, idx, tw, w1, w2, dy, group=group, precision="mxfp8")
-    ref = _step(x, idx, tw, w1, w2, dy, group=group, backend="reference", precision="mxfp8")
+    ours = _step(x, idx, tw, w1, w2, dy, group=group, precision=precision)
+    ref = _step(x, idx, tw, w1, w2, dy, group=group, backend="reference", precision=precision)
     return {n: snr_db(ours[n].float(), ref[n].float()) for n in GRADS if ref[n].numel()}
 
 
@@ -54,7 +58,7 @@ def _accuracy_rank(rank: int, world: int, tokens: tuple[int, ...], dispatch: str
 def test_mxfp8_over_symmetric_memory_matches_the_emulation(tmp_path, world, dispatch) -> None:
     tokens = (3000, 0, 2500, 700)
     for rank, report in enumerate(
-        run_ranks(_accuracy_rank, world, tmp_path, tokens, dispatch, backend="nccl", timeout=600)
+        run_ranks(accuracy_rank, world, tmp_path, tokens, dispatch, backend="nccl", timeout=600)
     ):
         print(f"rank {rank}:", {n: f"{s:.1f} dB" for n, s in report.items()})
         for name, snr in report.items():
