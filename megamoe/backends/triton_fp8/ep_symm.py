@@ -16,6 +16,9 @@ so the rows they make go home in one more launch (:func:`~megamoe.backends.symm.
     stage 1 bwd   x rows moved again (never saved); t(dh) b(W1^T)^T in column ranges, each sent to the
                   sources (d(weight) with the first); dx = sum over K; dW1 = t(dh)^T t(x[rows])
 
+Stage 2's backward, the same for both formats, is
+:class:`~megamoe.backends.symm.quantized.QuantizedSymmBackend`'s.
+
 Rows move in bf16 and are quantised on the expert's rank, which gives the bits of quantising at the
 source (rowwise tiles commute with moving rows); the NCCL transport moves them as E4M3 bytes and
 scales instead.
@@ -26,7 +29,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from megamoe.backends.symm import launch, transport
-from megamoe.backends.symm.ops import SymmState, SymmStatePlans, eager_plan, state_of, symm_backend
+from megamoe.backends.symm.ops import SymmState, eager_plan, state_of, symm_backend
+from megamoe.backends.symm.quantized import QuantizedSymmBackend
 from megamoe.backends.triton_fp8.experts import FP8Experts
 from megamoe.backends.triton_fp8.weights import weight_cache
 from megamoe.quant.cache import WeightCache
@@ -59,39 +63,6 @@ def stage2_forward(
     y = transport.combine_rows(plan)
     launch.check(plan.ws)
     return y
-
-
-def stage2_backward(
-    experts: FP8Experts,
-    h_P2I: Tensor,
-    dispatch_weights_P: Tensor,
-    w2_GHI: Tensor,
-    state: SymmState,
-    dy_TH: Tensor,
-    needs_grad: tuple[bool, bool, bool],
-    overwrite_h: bool,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    need_dh, need_dweights, need_dw2 = needs_grad
-    dy = dy_TH.to(h_P2I.dtype).contiguous()
-    plan = eager_plan(state, dy)
-    transport.begin(plan, dy)
-    rows, index, _ = transport.dispatch_rows(plan, dy)  # always: a peer may need this rank's dy
-    dh, d_weights, dw2 = experts.gemm2_backward(
-        h_P2I.contiguous(),
-        dispatch_weights_P.contiguous(),
-        w2_GHI,
-        experts.row_plan(plan.recv),
-        rows,
-        index,
-        need_dw2,
-        overwrite_h,
-    )
-    launch.check(plan.ws)
-    return (
-        dh if need_dh else None,
-        d_weights.to(dispatch_weights_P.dtype) if need_dweights else None,
-        dw2,
-    )
 
 
 def stage1_backward(
@@ -134,27 +105,20 @@ def stage1_backward(
     return dx, d_weights, dw1
 
 
-class FP8SymmBackend(SymmStatePlans):
+class FP8SymmBackend(QuantizedSymmBackend):
     """Implements :class:`~megamoe.backends.base.ExpertBackend` for ``precision="fp8"`` at EP > 1 over
     symmetric memory, with the one-GPU FP8 kernels and their weight cache."""
 
     name = "triton_fp8_symm"
 
     def __init__(self, settings: SymmSettings, weights: WeightCache | None = None) -> None:
-        super().__init__(settings)
-        self.weight_cache = weights if weights is not None else weight_cache()
-        self.experts = FP8Experts(self.weight_cache)
+        super().__init__(settings, FP8Experts(weights if weights is not None else weight_cache()))
 
     def stage1_forward(self, x_TH, topk_weights_TK, w1_G2IH, plan):
         return stage1_forward(self.experts, x_TH, topk_weights_TK, w1_G2IH, plan)
 
     def stage2_forward(self, h_R2I, dispatch_weights_R, w2_GHI, plan, act_RI=None):
         return stage2_forward(self.experts, h_R2I, dispatch_weights_R, w2_GHI, plan)
-
-    def stage2_backward(self, h_R2I, dispatch_weights_R, w2_GHI, plan, dy_TH, needs_grad, overwrite_h=False):
-        return stage2_backward(
-            self.experts, h_R2I, dispatch_weights_R, w2_GHI, plan, dy_TH, needs_grad, overwrite_h
-        )
 
     def stage1_backward(
         self, x_TH, w1_G2IH, plan, grad_h_R2I, grad_dispatch_weights_R, needs_grad, grad_h_is_scratch=False

@@ -18,6 +18,9 @@ that make expert outputs store each row at its source from their epilogues
     stage 1 bwd   x rows moved again (never saved); q(dh) q(W1^T)^T, each row stored at its source
                   with d(weight); dx = sum over K; dW1 = q(dh)^T q(x[rows])
 
+Stage 2's backward, the same for both formats, is
+:class:`~megamoe.backends.symm.quantized.QuantizedSymmBackend`'s.
+
 Rows move in bf16 and are quantised on the expert's rank, which is bit-identical to quantising at the
 source (rowwise blocks commute with moving rows).
 """
@@ -28,7 +31,8 @@ from torch import Tensor
 
 from megamoe.backends.symm import launch, transport
 from megamoe.backends.symm.backend import SymmPlan
-from megamoe.backends.symm.ops import SymmState, SymmStatePlans, eager_plan, state_of, symm_backend
+from megamoe.backends.symm.ops import SymmState, eager_plan, state_of, symm_backend
+from megamoe.backends.symm.quantized import QuantizedSymmBackend
 from megamoe.backends.symm.workspace import STATE_DONE
 from megamoe.backends.triton_mx.experts import MXExperts, check_widths, row_plan
 from megamoe.backends.triton_mx.grouped_gemm import RemoteRows
@@ -85,37 +89,6 @@ def stage2_forward(
     return y
 
 
-def stage2_backward(
-    experts: MXExperts,
-    h_P2I: Tensor,
-    dispatch_weights_P: Tensor,
-    w2_GHI: Tensor,
-    state: SymmState,
-    dy_TH: Tensor,
-    needs_grad: tuple[bool, bool, bool],
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    need_dh, need_dweights, need_dw2 = needs_grad
-    dy = dy_TH.to(h_P2I.dtype).contiguous()
-    plan = eager_plan(state, dy)
-    transport.begin(plan, dy)
-    rows, index, _ = transport.dispatch_rows(plan, dy)  # always: a peer may need this rank's dy
-    dh, d_weights, dw2 = experts.gemm2_backward(
-        h_P2I.contiguous(),
-        dispatch_weights_P.contiguous(),
-        w2_GHI,
-        row_plan(plan.recv),
-        rows,
-        index,
-        need_dw2,
-    )
-    launch.check(plan.ws)
-    return (
-        dh if need_dh else None,
-        d_weights.to(dispatch_weights_P.dtype) if need_dweights else None,
-        dw2,
-    )
-
-
 def stage1_backward(
     experts: MXExperts,
     x_TH: Tensor,
@@ -140,25 +113,20 @@ def stage1_backward(
     return dx, d_weights, dw1
 
 
-class MXFP8SymmBackend(SymmStatePlans):
+class MXFP8SymmBackend(QuantizedSymmBackend):
     """Implements :class:`~megamoe.backends.base.ExpertBackend` for ``precision="mxfp8"`` at EP > 1
     over symmetric memory, with the one-GPU MX kernels of :class:`MXFP8TritonBackend`'s weight cache."""
 
     name = "triton_mxfp8_symm"
 
     def __init__(self, settings: SymmSettings, weights: WeightCache | None = None) -> None:
-        super().__init__(settings)
-        self.weight_cache = weights if weights is not None else weight_cache()
-        self.experts = MXExperts(self.weight_cache)
+        super().__init__(settings, MXExperts(weights if weights is not None else weight_cache()))
 
     def stage1_forward(self, x_TH, topk_weights_TK, w1_G2IH, plan):
         return stage1_forward(self.experts, x_TH, topk_weights_TK, w1_G2IH, plan)
 
     def stage2_forward(self, h_R2I, dispatch_weights_R, w2_GHI, plan, act_RI=None):
         return stage2_forward(self.experts, h_R2I, dispatch_weights_R, w2_GHI, plan)
-
-    def stage2_backward(self, h_R2I, dispatch_weights_R, w2_GHI, plan, dy_TH, needs_grad, overwrite_h=False):
-        return stage2_backward(self.experts, h_R2I, dispatch_weights_R, w2_GHI, plan, dy_TH, needs_grad)
 
     def stage1_backward(
         self, x_TH, w1_G2IH, plan, grad_h_R2I, grad_dispatch_weights_R, needs_grad, grad_h_is_scratch=False

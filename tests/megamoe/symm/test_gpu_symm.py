@@ -125,7 +125,7 @@ def _layers_rank(
     rank: int, world: int, layers: int, dispatch: str, precision: str = "bf16"
 ) -> list[tuple[str, float]]:
     """Layers back to back over symmetric memory and over NCCL; the SNR of each output between them
-    (shared with tests/megamoe/triton_mx/ and triton_fp8/test_gpu_ep_symm.py, which pass their precision)."""
+    (shared with tests/megamoe/triton_mx/test_gpu_ep_symm.py, which passes ``mxfp8`` and ``fp8``)."""
     import os
 
     import torch.distributed as dist
@@ -162,7 +162,7 @@ def test_twenty_layers_back_to_back_match_the_nccl_transport(tmp_path, world, di
 
 def _graph_rank(rank: int, world: int, dispatch: str, precision: str = "bf16") -> dict:
     """A captured forward + backward replayed on new inputs and routing, against eager (shared with
-    tests/megamoe/triton_mx/ and triton_fp8/test_gpu_ep_symm.py, which pass their precision)."""
+    tests/megamoe/triton_mx/test_gpu_ep_symm.py, which passes ``mxfp8`` and ``fp8``)."""
     import os
 
     import torch.distributed as dist

@@ -20,10 +20,19 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors need TRITON_INTERPRET=1"),
     pytest.mark.slow,  # EP ranks in Triton's interpreter: about a minute together, so not in `make unit`
 ]
-H, I, E, K = 32, 16, 6, 2
+SHAPE = (32, 16, 6, 2)  # H, I, E, K
 
 
-def _rank(rank: int, world: int, tokens: list[list[int]], dispatch: str) -> list[dict]:
+def ep_symm_rank(
+    rank: int,
+    world: int,
+    tokens: list[list[int]],
+    dispatch: str,
+    precision: str = "mxfp8",
+    shape: tuple[int, int, int, int] = SHAPE,
+) -> list[dict]:
+    """Per layer, ``{"triton": outputs, "reference": outputs}`` of one rank (the FP8 twin of this test
+    runs it with its precision and shape)."""
     import os
 
     import torch.distributed as dist
@@ -37,6 +46,7 @@ def _rank(rank: int, world: int, tokens: list[list[int]], dispatch: str) -> list
     os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
     os.environ["MEGAMOE_SYMM_DEBUG"] = "1"  # a stuck wait raises instead of hanging the test
     os.environ["MEGAMOE_SYMM_MAX_TOKENS"] = str(max(max(layer) for layer in tokens))
+    H, I, E, K = shape
     G = E // world
     out = []
     for layer, per_rank in enumerate(tokens):
@@ -50,7 +60,7 @@ def _rank(rank: int, world: int, tokens: list[list[int]], dispatch: str) -> list
         for backend in ("triton", "reference"):
             leaves = [t.clone().requires_grad_() for t in (x, tw, w1, w2)]
             y = fused_mega_moe(
-                leaves[0], idx, *leaves[1:], group=dist.group.WORLD, backend=backend, precision="mxfp8"
+                leaves[0], idx, *leaves[1:], group=dist.group.WORLD, backend=backend, precision=precision
             )
             grads = torch.autograd.grad(y, leaves, dy)
             got[backend] = dict(zip(GRADS, (y.detach(), *grads), strict=True))
@@ -71,7 +81,7 @@ def _rank(rank: int, world: int, tokens: list[list[int]], dispatch: str) -> list
     ids=["ep2-broadcast-two-layers", "ep2-push-two-layers", "ep2-pull", "ep3-push-a-rank-without-tokens"],
 )
 def test_mxfp8_over_symmetric_memory_matches_the_emulation(tmp_path, world, tokens, dispatch) -> None:
-    for rank, layers in enumerate(run_ranks(_rank, world, tmp_path, tokens, dispatch, timeout=600)):
+    for rank, layers in enumerate(run_ranks(ep_symm_rank, world, tmp_path, tokens, dispatch, timeout=600)):
         for layer, got in enumerate(layers):
             for name in GRADS:
                 ours, ref = got["triton"][name], got["reference"][name]

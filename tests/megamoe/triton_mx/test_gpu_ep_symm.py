@@ -1,17 +1,18 @@
-"""MXFP8 at EP > 1 over symmetric memory on 2, 4 or 8 GPUs of one node (device machines ``nvidia-h200-x2``
-and up): ``pytest -m multigpu tests/megamoe/triton_mx/test_gpu_ep_symm.py``.
+"""MXFP8 and blockwise FP8 at EP > 1 over symmetric memory on 2, 4 or 8 GPUs of one node (device
+machines ``nvidia-h200-x2`` and up): ``pytest -m multigpu tests/megamoe/triton_mx/test_gpu_ep_symm.py``
+(both quantised paths use the workspace's unfused transport, ``megamoe/backends/symm/transport.py``).
 
-At each EP size the node has GPUs for, in push and in broadcast mode:
+At each EP size the node has GPUs for, in push and in broadcast mode, for each precision:
 
-* against the MX emulation (which exchanges rows with NCCL ``all_to_all``), ragged
+* against the precision's emulation (which exchanges rows with NCCL ``all_to_all``), ragged
   tokens and a rank with none: SNR >= 40 dB for y, dx, d_topk_weights, dW1, dW2 (test_gpu_backend.py's
   bar for the kernels on one GPU);
-* five layers back to back, against the NCCL transport on the same MX kernels: SNR >= 40 dB (a pool or
+* five layers back to back, against the NCCL transport on the same kernels: SNR >= 40 dB (a pool or
   combine slot reused too early would show);
 * CUDA-graph capture of a full forward + backward, replayed on new inputs and routing: eager's bits.
   (The NCCL transport reads split sizes on the host and cannot be captured.)
 
-The last two are test_gpu_symm.py's rank functions with ``precision="mxfp8"``.
+The last two are test_gpu_symm.py's rank functions with the precision.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from tests.megamoe.symm.test_gpu_symm import (
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 DISPATCH = pytest.mark.parametrize("dispatch", ["push", "broadcast"])
+PRECISION = pytest.mark.parametrize("precision", ["mxfp8", "fp8"])
 
 
-def accuracy_rank(
-    rank: int, world: int, tokens: tuple[int, ...], dispatch: str, precision: str = "mxfp8"
+def _accuracy_rank(
+    rank: int, world: int, tokens: tuple[int, ...], dispatch: str, precision: str
 ) -> dict[str, float]:
-    """SNR of each output against ``precision``'s emulation (also run by the FP8 twin of this module)."""
     import os
 
     import torch.distributed as dist
@@ -55,21 +56,23 @@ def accuracy_rank(
 
 @pytest.mark.parametrize("world", WORLDS)
 @DISPATCH
-def test_mxfp8_over_symmetric_memory_matches_the_emulation(tmp_path, world, dispatch) -> None:
+@PRECISION
+def test_over_symmetric_memory_matches_the_emulation(tmp_path, world, dispatch, precision) -> None:
     tokens = (3000, 0, 2500, 700)
     for rank, report in enumerate(
-        run_ranks(accuracy_rank, world, tmp_path, tokens, dispatch, backend="nccl", timeout=600)
+        run_ranks(_accuracy_rank, world, tmp_path, tokens, dispatch, precision, backend="nccl", timeout=600)
     ):
         print(f"rank {rank}:", {n: f"{s:.1f} dB" for n, s in report.items()})
         for name, snr in report.items():
-            assert snr >= 40, f"rank {rank} {name}: SNR {snr:.1f} dB against the MX emulation"
+            assert snr >= 40, f"rank {rank} {name}: SNR {snr:.1f} dB against the {precision} emulation"
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @DISPATCH
-def test_layers_back_to_back_match_the_nccl_transport(tmp_path, world, dispatch) -> None:
+@PRECISION
+def test_layers_back_to_back_match_the_nccl_transport(tmp_path, world, dispatch, precision) -> None:
     for rank, report in enumerate(
-        run_ranks(_layers_rank, world, tmp_path, 5, dispatch, "mxfp8", backend="nccl", timeout=600)
+        run_ranks(_layers_rank, world, tmp_path, 5, dispatch, precision, backend="nccl", timeout=600)
     ):
         for what, snr in report:
             assert snr >= 40, f"rank {rank} {what}: SNR {snr:.1f} dB against the NCCL transport"
@@ -77,8 +80,9 @@ def test_layers_back_to_back_match_the_nccl_transport(tmp_path, world, dispatch)
 
 @pytest.mark.parametrize("world", WORLDS)
 @DISPATCH
-def test_cuda_graph_capture_and_replay_of_a_full_step(tmp_path, world, dispatch) -> None:
+@PRECISION
+def test_cuda_graph_capture_and_replay_of_a_full_step(tmp_path, world, dispatch, precision) -> None:
     for rank, report in enumerate(
-        run_ranks(_graph_rank, world, tmp_path, dispatch, "mxfp8", backend="nccl", timeout=600)
+        run_ranks(_graph_rank, world, tmp_path, dispatch, precision, backend="nccl", timeout=600)
     ):
         assert all(report.values()), f"rank {rank}: replay differs from eager: {report}"
