@@ -37,99 +37,85 @@ from megamoe.quant.cache import WeightCache
 from megamoe.settings import SymmSettings
 
 
-def stage1_forward(
-    experts: FP8Experts, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, state: SymmState
-) -> tuple[Tensor | None, ...]:
-    """``(h [P, 2I], dispatch_weights [P], None, *plan tensors)``."""
-    experts.check_widths(x_TH.shape[1], w1_G2IH.shape[1] // 2)
-    x, weights_TK = x_TH.contiguous(), topk_weights_TK.contiguous()
-    plan = eager_plan(state, x)
-    symm_backend(state).exchange(plan, x, weights_TK)
-    rows, index, weights = transport.dispatch_rows(plan, x, weights_TK)
-    pool = experts.row_plan(plan.recv)
-    h = experts.gemm1(experts.rowwise(rows, pool, index), w1_G2IH, pool, index)
-    launch.check(plan.ws)
-    return (h, weights, None, *state_of(plan))
-
-
-def stage2_forward(
-    experts: FP8Experts, h_P2I: Tensor, dispatch_weights_P: Tensor, w2_GHI: Tensor, state: SymmState
-) -> Tensor:
-    plan = eager_plan(state, h_P2I.new_empty(0, w2_GHI.shape[1]))
-    transport.begin(plan)
-    o = experts.gemm2(h_P2I.contiguous(), w2_GHI, experts.row_plan(plan.recv))
-    transport.return_rows(plan, o, row_scale_P=dispatch_weights_P)
-    transport.wait_returned(plan)
-    y = transport.combine_rows(plan)
-    launch.check(plan.ws)
-    return y
-
-
-def stage1_backward(
-    experts: FP8Experts,
-    x_TH: Tensor,
-    w1_G2IH: Tensor,
-    state: SymmState,
-    grad_h_P2I: Tensor,
-    grad_dispatch_weights_P: Tensor,
-    needs_grad: tuple[bool, bool, bool],
-    grad_h_is_scratch: bool,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    need_dx, need_dweights, need_dw1 = needs_grad
-    x, grad_h = x_TH.contiguous(), grad_h_P2I.contiguous()
-    plan = eager_plan(state, x)
-    pool = experts.row_plan(plan.recv)
-    transport.begin(plan, x)
-    x_rows, index, _ = transport.dispatch_rows(plan, x)  # x again, for dW1 (always: a peer may need it)
-    hidden, sent = x.shape[1], []
-
-    def home(dx_rows: Tensor, first: int) -> None:
-        transport.return_rows(
-            plan,
-            dx_rows,
-            first_column=first,
-            scalar_P=None if sent else grad_dispatch_weights_P,
-            last=first + dx_rows.shape[1] == hidden,
-        )
-        sent.append(first)
-
-    experts.dgrad1(grad_h, w1_G2IH, pool, home)
-    if not sent:  # no rows here (or no columns): the peers still wait for this rank's flag
-        home(grad_h.new_empty(grad_h.shape[0], hidden), 0)
-    transport.wait_returned(plan)
-    dx = transport.combine_rows(plan) if need_dx else None
-    d_weights = transport.returned_scalars(plan, grad_dispatch_weights_P.dtype) if need_dweights else None
-    scratch = grad_h if grad_h_is_scratch else None  # read last by wgrad1: dgrad1 is done
-    dw1 = experts.wgrad1(grad_h, x_rows, w1_G2IH, pool, index, scratch) if need_dw1 else None
-    launch.check(plan.ws)
-    return dx, d_weights, dw1
-
-
 class FP8SymmBackend(QuantizedSymmBackend):
     """Implements :class:`~megamoe.backends.base.ExpertBackend` for ``precision="fp8"`` at EP > 1 over
     symmetric memory, with the one-GPU FP8 kernels and their weight cache."""
 
     name = "triton_fp8_symm"
+    experts: FP8Experts
 
     def __init__(self, settings: SymmSettings, weights: WeightCache | None = None) -> None:
         super().__init__(settings, FP8Experts(weights if weights is not None else weight_cache()))
 
-    def stage1_forward(self, x_TH, topk_weights_TK, w1_G2IH, plan):
-        return stage1_forward(self.experts, x_TH, topk_weights_TK, w1_G2IH, plan)
+    def stage1_forward(
+        self, x_TH: Tensor, topk_weights_TK: Tensor, w1_G2IH: Tensor, state: SymmState
+    ) -> tuple[Tensor | None, ...]:
+        """``(h [P, 2I], dispatch_weights [P], None, *plan tensors)``."""
+        experts = self.experts
+        experts.check_widths(x_TH.shape[1], w1_G2IH.shape[1] // 2)
+        x, weights_TK = x_TH.contiguous(), topk_weights_TK.contiguous()
+        plan = eager_plan(state, x)
+        symm_backend(state).exchange(plan, x, weights_TK)
+        rows, index, weights = transport.dispatch_rows(plan, x, weights_TK)
+        pool = experts.row_plan(plan.recv)
+        h = experts.gemm1(experts.rowwise(rows, pool, index), w1_G2IH, pool, index)
+        launch.check(plan.ws)
+        return (h, weights, None, *state_of(plan))
 
-    def stage2_forward(self, h_R2I, dispatch_weights_R, w2_GHI, plan, act_RI=None):
-        return stage2_forward(self.experts, h_R2I, dispatch_weights_R, w2_GHI, plan)
+    def stage2_forward(
+        self,
+        h_P2I: Tensor,
+        dispatch_weights_P: Tensor,
+        w2_GHI: Tensor,
+        state: SymmState,
+        act_RI: Tensor | None = None,
+    ) -> Tensor:
+        """``act_RI`` is ignored: the SwiGLU pass is where ``t(a)`` is made."""
+        plan = eager_plan(state, h_P2I.new_empty(0, w2_GHI.shape[1]))
+        transport.begin(plan)
+        o = self.experts.gemm2(h_P2I.contiguous(), w2_GHI, self.experts.row_plan(plan.recv))
+        transport.return_rows(plan, o, row_scale_P=dispatch_weights_P)
+        transport.wait_returned(plan)
+        y = transport.combine_rows(plan)
+        launch.check(plan.ws)
+        return y
 
     def stage1_backward(
-        self, x_TH, w1_G2IH, plan, grad_h_R2I, grad_dispatch_weights_R, needs_grad, grad_h_is_scratch=False
-    ):
-        return stage1_backward(
-            self.experts,
-            x_TH,
-            w1_G2IH,
-            plan,
-            grad_h_R2I,
-            grad_dispatch_weights_R,
-            needs_grad,
-            grad_h_is_scratch,
-        )
+        self,
+        x_TH: Tensor,
+        w1_G2IH: Tensor,
+        state: SymmState,
+        grad_h_P2I: Tensor,
+        grad_dispatch_weights_P: Tensor,
+        needs_grad: tuple[bool, bool, bool],
+        grad_h_is_scratch: bool = False,
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        need_dx, need_dweights, need_dw1 = needs_grad
+        experts = self.experts
+        x, grad_h = x_TH.contiguous(), grad_h_P2I.contiguous()
+        plan = eager_plan(state, x)
+        pool = experts.row_plan(plan.recv)
+        transport.begin(plan, x)
+        x_rows, index, _ = transport.dispatch_rows(plan, x)  # x again, for dW1 (always: a peer may need it)
+        hidden, sent = x.shape[1], []
+
+        def home(dx_rows: Tensor, first: int) -> None:
+            transport.return_rows(
+                plan,
+                dx_rows,
+                first_column=first,
+                scalar_P=None if sent else grad_dispatch_weights_P,
+                last=first + dx_rows.shape[1] == hidden,
+            )
+            sent.append(first)
+
+        experts.dgrad1(grad_h, w1_G2IH, pool, home)
+        if not sent:  # no rows here (or no columns): the peers still wait for this rank's flag
+            home(grad_h.new_empty(grad_h.shape[0], hidden), 0)
+        transport.wait_returned(plan)
+        dx = transport.combine_rows(plan) if need_dx else None
+        d_weights = transport.returned_scalars(plan, grad_dispatch_weights_P.dtype) if need_dweights else None
+        scratch = grad_h if grad_h_is_scratch else None  # read last by wgrad1: dgrad1 is done
+        dw1 = experts.wgrad1(grad_h, x_rows, w1_G2IH, pool, index, scratch) if need_dw1 else None
+        launch.check(plan.ws)
+        return dx, d_weights, dw1
