@@ -1,4 +1,5 @@
-"""Where each expert's row blocks start in a blocked along-R operand (the quantised wgrad operands).
+"""Where each expert's row blocks start in a blocked along-R operand (the quantised wgrad operands), and
+the quantiser that writes such operands for any blockwise format.
 
 A weight gradient sums over an expert's rows, so its quantised operands are cut into blocks of rows that
 start at each expert's first row: expert ``g`` gets ``ceil(rows_g / block)`` blocks (rounded up to a
@@ -42,6 +43,74 @@ def segment_of_block(block_start_ptr, block, G, BINS: tl.constexpr):
     ends = tl.load(block_start_ptr + 1 + bins, mask=bins < G, other=2147483647)
     g = tl.sum((ends <= block).to(tl.int32), axis=0)
     return g, tl.load(block_start_ptr + tl.minimum(g, G))
+
+
+@triton.jit
+def quantize_segments_kernel(
+    src_ptr,
+    index_ptr,
+    row_start_ptr,
+    block_start_ptr,
+    data_ptr,
+    scale_ptr,
+    G,
+    X,
+    stride_src,
+    data_seg,
+    data_x,
+    scale_seg,
+    scale_x,
+    scale_b,
+    HAS_INDEX: tl.constexpr,
+    PACKED: tl.constexpr,
+    WHOLE_BLOCKS: tl.constexpr,
+    BINS: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+    TILE: tl.constexpr,
+    QUANTIZE_ALONG_ROWS: tl.constexpr,
+):
+    """Quantise ``src``'s rows along R inside each segment, in ``TILE``-row blocks that start at the
+    segment's first row, and write them transposed (R contiguous: what Hopper's FP8 MMA reads for a
+    weight gradient). Program ``(j, x)``: block slot ``j`` of segment ``g``, ``BLOCK_X`` columns; rows
+    ``src[index[r]]`` with ``HAS_INDEX`` (the fused dispatch gather), zeros past the segment's end.
+
+    ``PACKED`` (the wgrad operands): ``data [X, TILE NB]``, slot ``j`` at columns ``TILE j`` on, every
+    lane written. Not packed (a weight's transposed form ``w^T [G, X, Y]``): segment ``g`` is its own
+    matrix at ``g data_seg``, only its rows' lanes written (all of them with ``WHOLE_BLOCKS``). The
+    format is ``TILE`` and ``QUANTIZE_ALONG_ROWS(v [TILE, BX]) -> (E4M3 bytes, one scale per column)``,
+    stored in the scale buffer's dtype."""
+    block = tl.program_id(0)
+    g, first_block = segment_of_block(block_start_ptr, block, G, BINS)
+    if g < G:
+        local = block - first_block
+        lanes = tl.arange(0, TILE)
+        rows = tl.load(row_start_ptr + g) + local * TILE + lanes
+        row_ok = rows < tl.load(row_start_ptr + g + 1)
+        if HAS_INDEX:
+            src_rows = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        else:
+            src_rows = rows.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
+        col_ok = cols < X
+        v = tl.load(
+            src_ptr + src_rows[:, None] * stride_src + cols[None, :],
+            mask=row_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        elements, scales = QUANTIZE_ALONG_ROWS(v)
+        slot = block if PACKED else local
+        base = g.to(tl.int64) * data_seg + slot.to(tl.int64) * TILE
+        ptrs = data_ptr + base + cols[:, None].to(tl.int64) * data_x + lanes[None, :]
+        if PACKED or WHOLE_BLOCKS:
+            # a mask constant along the lanes: the compiler writes 16-byte vectors (a row_ok mask, whose
+            # start the compiler cannot prove aligned, splits every store into single bytes; measured in
+            # docs/mxfp8.md, "The GPU kernels")
+            store_ok = col_ok[:, None] & (lanes < TILE)[None, :]
+        else:
+            store_ok = col_ok[:, None] & row_ok[None, :]
+        tl.store(ptrs, tl.trans(elements).to(tl.uint8), mask=store_ok)
+        scale_ptrs = scale_ptr + g.to(tl.int64) * scale_seg + cols.to(tl.int64) * scale_x + slot * scale_b
+        tl.store(scale_ptrs, scales.to(scale_ptr.dtype.element_ty), mask=col_ok)
 
 
 def block_starts(row_start_G1: Tensor, *, block: int, align: int = 1) -> Tensor:

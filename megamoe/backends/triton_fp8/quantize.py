@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megamoe.backends.triton.grid import cdiv, next_power_of_2
-from megamoe.backends.triton.segments import block_starts, segment_of_block
+from megamoe.backends.triton.segments import block_starts, quantize_segments_kernel
 from megamoe.backends.triton_fp8.fp8_math import (
     TILE,
     quantize_along_cols,
@@ -132,48 +132,6 @@ def quantize_rows(src_RX: Tensor, *, valid_rows_1: Tensor | None = None) -> FP8T
     return out
 
 
-@triton.jit
-def _quantize_segments_kernel(
-    src_ptr,
-    index_ptr,
-    row_start_ptr,
-    block_start_ptr,
-    data_ptr,
-    scale_ptr,
-    G,
-    X,
-    stride_src,
-    stride_data,
-    stride_scale_x,
-    stride_scale_b,
-    HAS_INDEX: tl.constexpr,
-    BINS: tl.constexpr,
-    BLOCK_X: tl.constexpr,
-):
-    block = tl.program_id(0)
-    g, first_block = segment_of_block(block_start_ptr, block, G, BINS)
-    if g < G:
-        lanes = tl.arange(0, 128)
-        rows = tl.load(row_start_ptr + g) + (block - first_block) * 128 + lanes
-        row_ok = rows < tl.load(row_start_ptr + g + 1)
-        if HAS_INDEX:
-            src_rows = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-        else:
-            src_rows = rows.to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
-        col_ok = cols < X
-        v = tl.load(
-            src_ptr + src_rows[:, None] * stride_src + cols[None, :],
-            mask=row_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        elements, scales = quantize_along_rows(v)
-        ptrs = data_ptr + cols[:, None].to(tl.int64) * stride_data + block * 128 + lanes[None, :]
-        # a mask constant along the lanes keeps 16-byte stores (the zero lanes past the segment are written)
-        tl.store(ptrs, tl.trans(elements).to(tl.uint8), mask=col_ok[:, None] & (lanes < 128)[None, :])
-        tl.store(scale_ptr + cols.to(tl.int64) * stride_scale_x + block * stride_scale_b, scales, mask=col_ok)
-
-
 def segment_block_starts(row_start_G1: Tensor) -> Tensor:
     """``block_start [G + 1]`` (int32, on the device, one launch, no sync): exclusive prefix sum of
     ``ceil(rows / 128)``. A static bound on the slots: ``ceil(R / 128) + G``."""
@@ -229,7 +187,7 @@ def quantize_segments(
         return out
     cuda = src_RX.device.type == "cuda"
     block_x = min(next_power_of_2(X), 32 if cuda else 16)  # [128, 32] fp32: no spills
-    _quantize_segments_kernel[(num_blocks, cdiv(X, block_x))](
+    quantize_segments_kernel[(num_blocks, cdiv(X, block_x))](
         src_RX,
         index_R,
         row_start_G1,
@@ -239,12 +197,18 @@ def quantize_segments(
         G,
         X,
         src_RX.stride(0),
+        0,
         out.data.stride(0),
+        0,
         out.scale.stride(0),
         out.scale.stride(1),
         HAS_INDEX=index_R is not None,
+        PACKED=True,
+        WHOLE_BLOCKS=False,
         BINS=next_power_of_2(G),
         BLOCK_X=block_x,
+        TILE=TILE,
+        QUANTIZE_ALONG_ROWS=quantize_along_rows,
         num_warps=4 if cuda else 1,
     )
     return out

@@ -22,70 +22,12 @@ new ``[X, Y]`` matrix and only its ``Y`` lanes are written. ``index`` fuses the 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from megamoe.backends.triton.grid import cdiv, next_power_of_2
-from megamoe.backends.triton.segments import block_starts, segment_of_block
+from megamoe.backends.triton.segments import block_starts, quantize_segments_kernel
 from megamoe.backends.triton_mx.mx_math import quantize_along_rows
 from megamoe.quant.mx import BLOCK, MXTensor
-
-
-@triton.jit
-def _quantize_segments_kernel(
-    src_ptr,
-    index_ptr,
-    row_start_ptr,
-    block_start_ptr,
-    data_ptr,
-    scale_ptr,
-    G,
-    X,
-    stride_src,
-    data_seg,
-    data_x,
-    scale_seg,
-    scale_x,
-    scale_b,
-    HAS_INDEX: tl.constexpr,
-    PACKED: tl.constexpr,
-    WHOLE_BLOCKS: tl.constexpr,
-    BINS: tl.constexpr,
-    BLOCK_X: tl.constexpr,
-):
-    block = tl.program_id(0)
-    g, first_block = segment_of_block(block_start_ptr, block, G, BINS)
-    if g < G:
-        local = block - first_block
-        lanes = tl.arange(0, 32)
-        rows = tl.load(row_start_ptr + g) + local * 32 + lanes
-        row_ok = rows < tl.load(row_start_ptr + g + 1)
-        if HAS_INDEX:
-            src_rows = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-        else:
-            src_rows = rows.to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
-        col_ok = cols < X
-        v = tl.load(
-            src_ptr + src_rows[:, None] * stride_src + cols[None, :],
-            mask=row_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        elements, codes = quantize_along_rows(v)
-        slot = block if PACKED else local
-        base = g.to(tl.int64) * data_seg + slot.to(tl.int64) * 32
-        ptrs = data_ptr + base + cols[:, None].to(tl.int64) * data_x + lanes[None, :]
-        if PACKED or WHOLE_BLOCKS:
-            # a mask constant along the 32 lanes: the compiler writes 16-byte vectors (a row_ok mask, whose
-            # start the compiler cannot prove aligned, splits every store into single bytes; measured in
-            # docs/mxfp8.md, "The GPU kernels")
-            store_ok = col_ok[:, None] & (lanes < 32)[None, :]
-        else:
-            store_ok = col_ok[:, None] & row_ok[None, :]
-        tl.store(ptrs, tl.trans(elements).to(tl.uint8), mask=store_ok)
-        scale_ptrs = scale_ptr + g.to(tl.int64) * scale_seg + cols.to(tl.int64) * scale_x + slot * scale_b
-        tl.store(scale_ptrs, codes.to(tl.uint8), mask=col_ok)
 
 
 def segment_block_starts(row_start_G1: Tensor, *, align: int = 1) -> Tensor:
@@ -114,7 +56,7 @@ def _launch(
         return
     interpret = src_RX.device.type != "cuda"
     block_x = min(next_power_of_2(X), 32 if interpret else 128)
-    _quantize_segments_kernel[(num_blocks, cdiv(X, block_x))](
+    quantize_segments_kernel[(num_blocks, cdiv(X, block_x))](
         src_RX,
         index_R,
         row_start_G1,
@@ -130,6 +72,8 @@ def _launch(
         WHOLE_BLOCKS=whole_blocks,
         BINS=next_power_of_2(G),
         BLOCK_X=block_x,
+        TILE=BLOCK,
+        QUANTIZE_ALONG_ROWS=quantize_along_rows,
         num_warps=1 if interpret else 4,
     )
 

@@ -17,6 +17,7 @@ import sys
 import triton
 from triton.experimental.gluon import language as gl
 
+from megamoe.backends.triton.segments import quantize_segments_kernel
 from megamoe.backends.triton.swiglu_quant import swiglu_backward_quant_kernel, swiglu_quant_kernel
 from megamoe.backends.triton_fp8 import wgmma_gemm, wgmma_wgrad
 from megamoe.backends.triton_fp8.configs import GPU_WGMMA, GPU_WGMMA_WGRAD, gemm_config, wgrad_config
@@ -25,7 +26,6 @@ from megamoe.backends.triton_fp8.grouped_gemm import _fp8_grouped_gemm_kernel
 from megamoe.backends.triton_fp8.quantize import (
     _quantize_blocks_kernel,
     _quantize_rows_kernel,
-    _quantize_segments_kernel,
     row_block,
 )
 from megamoe.backends.triton_fp8.wgrad import _fp8_wgrad_kernel
@@ -110,10 +110,11 @@ def _quantize_rows(rows: int, X: int, *, valid: bool) -> tuple:
 def _quantize_segments(*, index: bool, X: int) -> tuple:
     args = dict(
         src_ptr="*bf16", index_ptr="*i32" if index else None, row_start_ptr="*i32", block_start_ptr="*i32",
-        data_ptr="*u8", scale_ptr="*fp32", G=G, X=X, stride_src=X, stride_data=NUM_BLOCKS * TILE,
-        stride_scale_x=1, stride_scale_b=X, HAS_INDEX=index, BINS=BINS, BLOCK_X=min(triton.next_power_of_2(X), 32),
+        data_ptr="*u8", scale_ptr="*fp32", G=G, X=X, stride_src=X, data_seg=0, data_x=NUM_BLOCKS * TILE,
+        scale_seg=0, scale_x=1, scale_b=X, HAS_INDEX=index, PACKED=True, WHOLE_BLOCKS=False, BINS=BINS,
+        BLOCK_X=min(triton.next_power_of_2(X), 32), TILE=TILE, QUANTIZE_ALONG_ROWS=quantize_along_rows,
     )  # fmt: skip
-    return _quantize_segments_kernel, args, {"num_warps": 4}
+    return quantize_segments_kernel, args, {"num_warps": 4}
 
 
 def _quantize_blocks(Y: int, X: int, *, transposed: bool = False, both: bool = False) -> tuple:

@@ -18,12 +18,12 @@ import sys
 
 import triton
 
+from megamoe.backends.triton.segments import quantize_segments_kernel
 from megamoe.backends.triton.swiglu_quant import swiglu_backward_quant_kernel, swiglu_quant_kernel
 from megamoe.backends.triton_mx.configs import WGRAD_BLOCK_ALIGN, gemm_config, wgrad_config
 from megamoe.backends.triton_mx.grouped_gemm import _mx_grouped_gemm_kernel
 from megamoe.backends.triton_mx.mx_math import quantize_along_cols, quantize_along_rows
 from megamoe.backends.triton_mx.quantize_rows import _quantize_rows_kernel
-from megamoe.backends.triton_mx.quantize_segments import _quantize_segments_kernel
 from megamoe.backends.triton_mx.wgrad import _mx_wgrad_kernel
 from megamoe.quant.mx import BLOCK
 from tests.megamoe.triton.sm90_compile import CUDA, NUM_SMS, G, H, I, R, T, config_constexprs, report
@@ -89,8 +89,9 @@ def _quantize_segments(*, index: bool, packed: bool, X: int, Y: int = 0) -> tupl
         src_ptr="*bf16", index_ptr="*i32" if index else None, row_start_ptr="*i32", block_start_ptr="*i32",
         data_ptr="*u8", scale_ptr="*u8", G=G, X=X, stride_src=X, **strides, HAS_INDEX=index, PACKED=packed,
         WHOLE_BLOCKS=not packed and Y % BLOCK == 0, BINS=BINS, BLOCK_X=min(triton.next_power_of_2(X), 128),
+        TILE=BLOCK, QUANTIZE_ALONG_ROWS=quantize_along_rows,
     )  # fmt: skip
-    return _quantize_segments_kernel, args, {"num_warps": 4}
+    return quantize_segments_kernel, args, {"num_warps": 4}
 
 
 def _swiglu() -> dict:
