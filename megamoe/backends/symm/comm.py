@@ -294,7 +294,7 @@ def pool_tokens_kernel(
     tl.store(out_ptr + rows, src * stage_rows + token, mask=rows < P)
 
 
-@triton.jit(do_not_specialize=["rank", "world", "H", "N", "col0", "stride_rows", "num_programs"])
+@triton.jit(do_not_specialize=["rank", "world", "num_programs"])
 def return_rows_kernel(
     rows_ptr, valid_ptr, row_scale_ptr, scalar_ptr, row_src_ptr, row_pos_ptr, combine_ptr, combine_scalar_ptr,
     combine_ready_ptr, epoch_ptr, done_ptr, ptrs_dev, rank, world, H, N, col0, stride_rows, num_programs,
@@ -315,7 +315,8 @@ def return_rows_kernel(
         src = tl.load(row_src_ptr + rows, mask=ok, other=0)
         pos = tl.load(row_pos_ptr + rows, mask=ok, other=0).to(tl.int64)
         shift = tl.load(bases + src, mask=ok, other=0) - tl.load(bases + rank)
-        dst = shift // elem + pos * H + col0
+        # page-aligned bases, H and col0 multiples of 16 (the FP8 widths, 128-column ranges): 16-byte stores
+        dst = tl.multiple_of(shift // elem + pos * H + col0, 8)
         if ROW_SCALE:
             scale = tl.load(row_scale_ptr + rows, mask=ok, other=0.0).to(tl.float32)
         for n0 in range(0, N, BLOCK_N):
