@@ -6,9 +6,9 @@ For expert backends whose GEMMs start once all their rows arrived (the MXFP8 and
 rows routed to this rank are made readable first, by row index from the broadcast copies or in pool
 order from a filled pool; the GEMM that makes the expert outputs sends each row to its source's
 combine slot from its epilogue and releases ``combine_ready`` (as the bf16 fused kernel does; MXFP8),
-or writes them here and :func:`return_rows` sends them (FP8), and the source sums over K. It uses the fused path's workspace, layout, ops and signals (each step one op, its
-barrier first), so it needs no host sync and captures in a CUDA graph; the dispatch does not overlap
-with the GEMMs::
+or writes them here and :func:`return_rows` sends them (FP8), and the source sums over K. It uses the
+fused path's workspace, layout, ops and signals (each step one op, its barrier first), so it needs no
+host sync and captures in a CUDA graph; the dispatch does not overlap with the GEMMs::
 
     op start        [pull mode: stage src_TH] barrier (stage 1: with the count exchange and the layout)
     dispatch_rows   broadcast mode: copy src_TH to every peer (copy engines) and into this rank's own

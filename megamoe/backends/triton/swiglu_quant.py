@@ -25,9 +25,14 @@ padding rows are left unwritten: no GEMM tile reads them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
+from megamoe.backends.triton.grid import cdiv, next_power_of_2
 from megamoe.backends.triton.padding import zero_rows
 from megamoe.backends.triton.segments import segment_of_block
 from megamoe.backends.triton.swiglu import swiglu_backward_tile, swiglu_tile
@@ -122,3 +127,88 @@ def swiglu_backward_quant_kernel(
         pad = pad0 + tl.arange(0, TILE)
         zero_rows(dh_ptr, pad, pad < R, 2 * I, TILE, BLOCK_I)
         tl.store(d_weight_ptr + pad, tl.zeros((TILE,), dtype=d_weight_ptr.dtype.element_ty), mask=pad < R)
+
+
+def swiglu_quant(
+    h_R2I: Tensor,
+    valid_rows_1: Tensor,
+    data_RI: Tensor,
+    scale_RT: Tensor,
+    *,
+    tile: int,
+    tiles: int,
+    block_r: int,
+    quantize_along_cols: Callable,
+    num_warps: int,
+) -> None:
+    """Launch the forward pass: ``q(silu(gate) * up)`` of the valid rows into a format's rowwise buffers
+    (``data [R, I]`` E4M3, ``scale [R, ceil(I / tile)]`` any strides), ``tiles`` tiles a program."""
+    R, I = data_RI.shape
+    if R == 0 or I == 0:
+        return
+    swiglu_quant_kernel[(cdiv(R, block_r), cdiv(I, tiles * tile))](
+        h_R2I,
+        data_RI.view(torch.uint8),
+        scale_RT,
+        valid_rows_1,
+        I,
+        scale_RT.stride(0),
+        scale_RT.stride(1),
+        BLOCK_R=block_r,
+        TILES=tiles,
+        TILE=tile,
+        QUANTIZE_ALONG_COLS=quantize_along_cols,
+        num_warps=num_warps,
+    )
+
+
+def swiglu_backward_quant(
+    h_R2I: Tensor,
+    da_RI: Tensor,
+    weight_R: Tensor,
+    dh_R2I: Tensor,
+    d_weight_R: Tensor,
+    row_start_G1: Tensor,
+    block_start_G1: Tensor,
+    aw_data: Tensor,
+    aw_scale: Tensor,
+    *,
+    tile: int,
+    block_i: int,
+    quantize_along_rows: Callable,
+    num_warps: int,
+) -> None:
+    """Launch the backward pass: ``dh`` (contiguous) and ``d_weight`` (fp32) written, the routed rows'
+    values and zeros on the padding rows, and ``q(w a)`` into a format's packed along-R buffers
+    (``aw_data [I, tile NB]`` E4M3, ``aw_scale [I, NB]`` any strides); one program per block slot."""
+    R, I = da_RI.shape
+    G = row_start_G1.shape[0] - 1
+    num_blocks = aw_scale.shape[1]
+    if I == 0 or G == 0:
+        d_weight_R.zero_()
+    if R == 0 or I == 0 or G == 0 or num_blocks == 0:
+        return
+    if not dh_R2I.is_contiguous():
+        raise ValueError("dh must be contiguous: the kernel zeroes its padding rows as [R, 2I]")
+    swiglu_backward_quant_kernel[(num_blocks,)](
+        h_R2I,
+        da_RI,
+        weight_R,
+        dh_R2I,
+        d_weight_R,
+        aw_data.view(torch.uint8),
+        aw_scale,
+        row_start_G1,
+        block_start_G1,
+        R,
+        G,
+        I,
+        aw_data.stride(0),
+        aw_scale.stride(0),
+        aw_scale.stride(1),
+        BINS=next_power_of_2(G),
+        BLOCK_I=block_i,
+        TILE=tile,
+        QUANTIZE_ALONG_ROWS=quantize_along_rows,
+        num_warps=num_warps,
+    )

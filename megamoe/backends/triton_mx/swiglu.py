@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megamoe.backends.triton.grid import cdiv, next_power_of_2
-from megamoe.backends.triton.swiglu_quant import swiglu_backward_quant_kernel, swiglu_quant_kernel
+from megamoe.backends.triton import swiglu_quant as passes
+from megamoe.backends.triton.grid import next_power_of_2
 from megamoe.backends.triton_mx.mx_math import quantize_along_cols, quantize_along_rows
 from megamoe.backends.triton_mx.quantize_rows import empty_rows_mx
 from megamoe.quant.mx import BLOCK, MXTensor
@@ -20,27 +20,15 @@ from megamoe.quant.mx import BLOCK, MXTensor
 
 def swiglu_quant(h_R2I: Tensor, valid_rows_1: Tensor) -> MXTensor:
     """``q(silu(gate) * up)`` rowwise along I, ``[R, I]`` (codes block-major); padding rows unwritten."""
-    R, I = h_R2I.shape[0], h_R2I.shape[1] // 2
-    out = empty_rows_mx(R, I, h_R2I.device)
-    if R == 0 or I == 0:
-        return out
+    I = h_R2I.shape[1] // 2
+    out = empty_rows_mx(h_R2I.shape[0], I, h_R2I.device)
     interpret = h_R2I.device.type != "cuda"
     block_i = min(next_power_of_2(max(I, BLOCK)), 64 if interpret else 256)
-    block_r = 8 if interpret else max(1, 4096 // block_i)
-    swiglu_quant_kernel[(cdiv(R, block_r), cdiv(I, block_i))](
-        h_R2I,
-        out.data.view(torch.uint8),
-        out.scale,
-        valid_rows_1,
-        I,
-        out.scale.stride(0),
-        out.scale.stride(1),
-        BLOCK_R=block_r,
-        TILES=block_i // BLOCK,
-        TILE=BLOCK,
-        QUANTIZE_ALONG_COLS=quantize_along_cols,
+    passes.swiglu_quant(
+        h_R2I, valid_rows_1, out.data, out.scale, tile=BLOCK, tiles=block_i // BLOCK,
+        block_r=8 if interpret else max(1, 4096 // block_i), quantize_along_cols=quantize_along_cols,
         num_warps=1 if interpret else 4,
-    )
+    )  # fmt: skip
     return out
 
 
@@ -57,40 +45,16 @@ def swiglu_backward_quant(
     """Write ``dh`` (contiguous) and ``d_weight`` (fp32): the routed rows' values, zeros on the padding
     rows; return ``q(w a)`` along R, packed ``[I, 32 num_blocks]`` like
     :func:`~megamoe.backends.triton_mx.quantize_segments.quantize_segments`."""
-    R, I = da_RI.shape
-    G = row_start_G1.shape[0] - 1
+    I = da_RI.shape[1]
     aw = MXTensor(
         data=torch.empty(I, num_blocks * BLOCK, dtype=torch.float8_e4m3fn, device=h_R2I.device),
         scale=torch.empty(num_blocks, I, dtype=torch.uint8, device=h_R2I.device).t(),
         dim=1,
     )
-    if I == 0 or G == 0:
-        d_weight_R.zero_()
-    if R == 0 or I == 0 or G == 0 or num_blocks == 0:
-        return aw
-    if not dh_R2I.is_contiguous():
-        raise ValueError("dh must be contiguous: the kernel zeroes its padding rows as [R, 2I]")
     interpret = h_R2I.device.type != "cuda"
-    swiglu_backward_quant_kernel[(num_blocks,)](
-        h_R2I,
-        da_RI,
-        weight_R,
-        dh_R2I,
-        d_weight_R,
-        aw.data.view(torch.uint8),
-        aw.scale,
-        row_start_G1,
-        block_start_G1,
-        R,
-        G,
-        I,
-        aw.data.stride(0),
-        aw.scale.stride(0),
-        aw.scale.stride(1),
-        BINS=next_power_of_2(G),
-        BLOCK_I=min(next_power_of_2(max(I, BLOCK)), 32 if interpret else 64),  # 128: 255 registers, spills
-        TILE=BLOCK,
-        QUANTIZE_ALONG_ROWS=quantize_along_rows,
-        num_warps=1 if interpret else 4,
-    )
+    passes.swiglu_backward_quant(
+        h_R2I, da_RI, weight_R, dh_R2I, d_weight_R, row_start_G1, block_start_G1, aw.data, aw.scale,
+        tile=BLOCK, block_i=min(next_power_of_2(max(I, BLOCK)), 32 if interpret else 64),  # 128: 255 registers, spills
+        quantize_along_rows=quantize_along_rows, num_warps=1 if interpret else 4,
+    )  # fmt: skip
     return aw
