@@ -32,8 +32,8 @@ from torch import Tensor
 from megamoe.backends.symm import transport
 from megamoe.backends.symm.backend import SymmPlan
 from megamoe.backends.symm.quantized import QuantizedSymmBackend
-from megamoe.backends.triton_fp8.experts import FP8Experts, RowPlan
-from megamoe.backends.triton_fp8.weights import weight_cache
+from megamoe.backends.triton.quantized_experts import RowPlan
+from megamoe.backends.triton_fp8.experts import FP8Experts
 from megamoe.quant.cache import WeightCache
 from megamoe.quant.fp8 import FP8Tensor
 from megamoe.settings import SymmSettings
@@ -47,7 +47,7 @@ class FP8SymmBackend(QuantizedSymmBackend):
     experts: FP8Experts
 
     def __init__(self, settings: SymmSettings, weights: WeightCache | None = None) -> None:
-        super().__init__(settings, FP8Experts(weights if weights is not None else weight_cache()))
+        super().__init__(settings, FP8Experts(weights))
 
     def gemm1_rows(self, rows: Tensor, pool: RowPlan, index: Tensor | None) -> FP8Tensor:
         """``t(x)`` rowwise on this rank (the same bits as at the source)."""

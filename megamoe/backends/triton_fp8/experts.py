@@ -22,7 +22,6 @@ The weight gradients write every element, so their outputs start uninitialised (
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -30,7 +29,7 @@ from torch import Tensor
 from megamoe.backends.triton.configs import column_chunks, num_programs
 from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton.padding import zero_padding_rows
-from megamoe.backends.triton.routing import RoutingPlan
+from megamoe.backends.triton.quantized_experts import QuantizedExperts, RowPlan
 from megamoe.backends.triton.rows import Rows
 from megamoe.backends.triton_fp8.configs import GPU_WGMMA, GPU_WGMMA_WGRAD, gemm_config, wgrad_config
 from megamoe.backends.triton_fp8.fp8_math import TILE
@@ -39,35 +38,17 @@ from megamoe.backends.triton_fp8.quantize import (
     gather_rows,
     quantize_rows,
     quantize_segments,
-    segment_block_starts,
     segments_in,
 )
 from megamoe.backends.triton_fp8.swiglu import swiglu_backward_quant, swiglu_quant
 from megamoe.backends.triton_fp8.weights import weight_cache
 from megamoe.backends.triton_fp8.wgrad import fp8_wgrad
-from megamoe.errors import UnsupportedSettingError
-from megamoe.quant.cache import WeightCache
 from megamoe.quant.fp8 import FP8Tensor
 
 try:  # Gluon (triton.experimental.gluon) with Hopper's warpgroup MMA; other builds use the Triton GEMMs
     from megamoe.backends.triton_fp8 import wgmma_gemm, wgmma_wgrad
 except ImportError:
     wgmma_gemm = wgmma_wgrad = None
-
-
-@dataclass(frozen=True, slots=True)
-class RowPlan:
-    """The rows' routing over the local experts and the wgrad's 128-row block slots along R."""
-
-    routing: RoutingPlan
-    block_start_G1: Tensor
-    """first block slot of each expert's rows (``ceil(rows / 128)`` slots each), on the device."""
-    num_blocks: int
-    """static bound on the block slots: ``ceil(R / 128) + G``."""
-
-    @property
-    def valid_rows_1(self) -> Tensor:
-        return self.routing.expert_start_G1[-1:]
 
 
 def dgrad1_columns(rows: int, cols: int, weight_rows: int) -> list[tuple[int, int]]:
@@ -79,40 +60,18 @@ def dgrad1_columns(rows: int, cols: int, weight_rows: int) -> list[tuple[int, in
     return [(start, min(start + width, cols)) for start in range(0, cols, width)]
 
 
-class FP8Experts:
-    """The FP8 GEMMs, SwiGLU passes and wgrads of the expert stages.
-
-    ``rows`` arguments are ``[T, H]`` read through ``a_rows [R]``, or ``[R, H]`` in row order when
-    ``a_rows`` is None.
-    """
+class FP8Experts(QuantizedExperts):
+    """The FP8 GEMMs, SwiGLU passes and wgrads of the expert stages."""
 
     name = "triton_fp8"
+    precision = "fp8"
+    block = TILE
+    quantize_rows = staticmethod(quantize_rows)
+    quantize_segments = staticmethod(quantize_segments)
+    swiglu_backward_quant = staticmethod(swiglu_backward_quant)
+    default_weight_cache = staticmethod(weight_cache)
 
-    def __init__(self, weights: WeightCache | None = None) -> None:
-        self.weight_cache = weights if weights is not None else weight_cache()
-
-    @staticmethod
-    def row_plan(routing: RoutingPlan) -> RowPlan:
-        """The block slots of ``routing``'s rows (one small device launch, no host sync)."""
-        num_blocks = -(-routing.num_rows // TILE) + routing.num_experts
-        return RowPlan(routing, segment_block_starts(routing.expert_start_G1), num_blocks)
-
-    @staticmethod
-    def check_widths(hidden: int, inter: int) -> None:
-        for name, value in (("hidden size H", hidden), ("intermediate size I", inter)):
-            if value % 16:
-                raise UnsupportedSettingError(
-                    name,
-                    value,
-                    "the FP8 Triton kernels read E4M3 rows by TMA, which needs 16-byte row strides",
-                    "Use a multiple of 16, or backend='reference' with precision='fp8'",
-                )
-
-    def _w(self, w_GYX: Tensor, *, transposed: bool) -> FP8Tensor:
-        return self.weight_cache.get(w_GYX, transposed=transposed)
-
-    @staticmethod
-    def _gemm(a: FP8Tensor, b: FP8Tensor, out: Tensor, plan: RowPlan, a_rows: Tensor | None) -> None:
+    def _gemm(self, a: FP8Tensor, b: FP8Tensor, out: Tensor, plan: RowPlan, a_rows: Tensor | None) -> None:
         """``out = a[a_rows] b^T`` over the plan's tiles. On Hopper, the warp-specialised Gluon kernel
         after gathering the quantised rows (one byte an element, a copy at memory speed); elsewhere the
         Triton kernel, which gathers them itself."""
@@ -134,8 +93,7 @@ class FP8Experts:
             a_rows=a_rows,
         )
 
-    @staticmethod
-    def _wgrad(p: FP8Tensor, q: FP8Tensor, out: Tensor, plan: RowPlan) -> Tensor:
+    def _wgrad(self, p: FP8Tensor, q: FP8Tensor, out: Tensor, plan: RowPlan) -> Tensor:
         """``out = P^T Q`` per expert, every element written (zeros for an expert without rows): on Hopper
         by the warp-specialised Gluon kernel, elsewhere by the Triton kernel (the same bits)."""
         device = out.device
@@ -153,20 +111,6 @@ class FP8Experts:
         if wgmma_wgrad is not None and wgmma_gemm.supported(device):
             return GPU_WGMMA_WGRAD.block_n
         return wgrad_config(device).block_n
-
-    @staticmethod
-    def _along_r(
-        src: Tensor, plan: RowPlan, index_R: Tensor | None, out: FP8Tensor | None = None
-    ) -> FP8Tensor:
-        r = plan.routing
-        return quantize_segments(
-            src, r.expert_start_G1, plan.block_start_G1, plan.num_blocks, index_R=index_R, out=out
-        )
-
-    @staticmethod
-    def rowwise(rows: Tensor, plan: RowPlan, a_rows: Tensor | None) -> FP8Tensor:
-        """Rowwise tiles of the rows a GEMM reads (in row order: the valid ones only)."""
-        return quantize_rows(rows, valid_rows_1=None if a_rows is not None else plan.valid_rows_1)
 
     @staticmethod
     def dispatch_rows(x_TH: Tensor, moved: Rows) -> FP8Tensor:
@@ -200,37 +144,6 @@ class FP8Experts:
             )
         return o
 
-    def gemm2_backward(
-        self,
-        h_R2I: Tensor,
-        weights_R: Tensor,
-        w2_GHI: Tensor,
-        plan: RowPlan,
-        dy_rows: Tensor,
-        a_rows: Tensor | None,
-        need_dw2: bool,
-        dh_over_h: bool = False,
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """``(dh [R, 2I], d_weights [R] fp32, dW2 or None)`` from ``dy``'s rows; padding rows zero.
-        ``dh_over_h``: write ``dh`` over ``h`` (the SwiGLU backward reads each element before writing it)."""
-        r = plan.routing
-        R, inter = h_R2I.shape[0], h_R2I.shape[1] // 2
-        dh = h_R2I if dh_over_h else h_R2I.new_empty(R, 2 * inter)
-        d_weights = torch.empty(R, dtype=torch.float32, device=h_R2I.device)
-        if not R:
-            return dh, d_weights, torch.zeros_like(w2_GHI) if need_dw2 else None
-        da = torch.empty(R, inter, dtype=torch.float32, device=h_R2I.device)
-        self._gemm(self.rowwise(dy_rows, plan, a_rows), self._w(w2_GHI, transposed=True), da, plan, a_rows)
-        aw = swiglu_backward_quant(
-            h_R2I, da, weights_R, dh, d_weights, r.expert_start_G1, plan.block_start_G1, plan.num_blocks
-        )
-        del da  # fp32 [R, I]: freed before dW2 and its operand are allocated (less at the peak)
-        dw2 = None
-        if need_dw2:
-            q_dy = self._along_r(dy_rows, plan, a_rows)
-            dw2 = self._wgrad(q_dy, aw, torch.empty_like(w2_GHI), plan)
-        return dh, d_weights, dw2
-
     def dgrad1(
         self, grad_h_R2I: Tensor, w1_G2IH: Tensor, plan: RowPlan, sink: Callable[[Tensor, int], None]
     ) -> None:
@@ -240,7 +153,7 @@ class FP8Experts:
         R, H = grad_h_R2I.shape[0], w1_G2IH.shape[2]
         if not R * H:
             return
-        g_rows = quantize_rows(grad_h_R2I, valid_rows_1=plan.valid_rows_1)
+        g_rows = self.rowwise(grad_h_R2I, plan, None)
         w = self._w(w1_G2IH, transposed=True)
 
         def columns(start: int, end: int) -> Tensor:

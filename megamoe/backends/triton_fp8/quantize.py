@@ -27,6 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megamoe.backends.triton.grid import cdiv, next_power_of_2
+from megamoe.backends.triton.rows_quant import check_rows, quantize_rows_into
 from megamoe.backends.triton.segments import block_starts, quantize_segments_kernel
 from megamoe.backends.triton_fp8.fp8_math import (
     TILE,
@@ -35,37 +36,6 @@ from megamoe.backends.triton_fp8.fp8_math import (
     quantize_block,
 )
 from megamoe.quant.fp8 import FP8Tensor
-
-
-@triton.jit
-def _quantize_rows_kernel(
-    src_ptr,
-    data_ptr,
-    scale_ptr,
-    valid_rows_ptr,
-    R,
-    X,
-    stride_src,
-    stride_scale_r,
-    stride_scale_k,
-    HAS_VALID: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    TILES: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    limit = R
-    if HAS_VALID:
-        limit = tl.minimum(tl.load(valid_rows_ptr), R)
-    row_ok = rows < limit
-    cols = tl.program_id(1) * (TILES * 128) + tl.arange(0, TILES * 128)
-    mask = row_ok[:, None] & (cols < X)[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
-    v = tl.load(src_ptr + rows64 * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    elements, scales = quantize_along_cols(v, TILES)
-    tl.store(data_ptr + rows64 * X + cols[None, :], elements.to(tl.uint8), mask=mask)
-    tiles = tl.program_id(1) * TILES + tl.arange(0, TILES)
-    scale_ptrs = scale_ptr + rows64 * stride_scale_r + tiles[None, :].to(tl.int64) * stride_scale_k
-    tl.store(scale_ptrs, scales, mask=row_ok[:, None] & (tiles * 128 < X)[None, :])
 
 
 def empty_rows(rows: int, cols: int, device: torch.device) -> FP8Tensor:
@@ -90,13 +60,6 @@ def gather_rows(a: FP8Tensor, index_R: Tensor) -> FP8Tensor:
     return out
 
 
-def _check_rows(src_RX: Tensor) -> None:
-    if src_RX.dim() != 2 or src_RX.stride(1) != 1:
-        raise ValueError(
-            f"src_RX: expected a [R, X] tensor with unit column stride, got {tuple(src_RX.shape)}"
-        )
-
-
 def row_block(cols: int, device: torch.device) -> tuple[int, int]:
     """``(rows, 128-column tiles)`` one program of a rowwise pass over ``cols`` columns handles."""
     if device.type != "cuda":
@@ -108,26 +71,19 @@ def row_block(cols: int, device: torch.device) -> tuple[int, int]:
 def quantize_rows(src_RX: Tensor, *, valid_rows_1: Tensor | None = None) -> FP8Tensor:
     """``src_RX`` in 1×128 tiles along each row; ``valid_rows_1`` (a one-element device tensor) limits
     the work to the first rows (the rest is left unwritten). Any float dtype, unit column stride."""
-    _check_rows(src_RX)
+    check_rows(src_RX)
     R, X = src_RX.shape
     out = empty_rows(R, X, src_RX.device)
-    if R == 0 or X == 0:
-        return out
     block_r, tiles = row_block(X, src_RX.device)
-    _quantize_rows_kernel[(cdiv(R, block_r), cdiv(X, tiles * TILE))](
+    quantize_rows_into(
         src_RX,
-        out.data.view(torch.uint8),
+        out.data,
         out.scale,
         valid_rows_1,
-        R,
-        X,
-        src_RX.stride(0),
-        out.scale.stride(0),
-        out.scale.stride(1),
-        HAS_VALID=valid_rows_1 is not None,
-        BLOCK_R=block_r,
-        TILES=tiles,
-        num_warps=1 if src_RX.device.type != "cuda" else 4,
+        block_r=block_r,
+        block_x=tiles * TILE,
+        tile=TILE,
+        quantize_along_cols=quantize_along_cols,
     )
     return out
 
@@ -179,7 +135,7 @@ def quantize_segments(
     """The packed wgrad operand of ``src_RX`` (rows ``src_RX[index_R[r]]`` with ``index_R``: the fused
     dispatch gather): columns past ``128 block_start[G]`` are left unwritten and never read. Written
     into ``out`` when given (an :func:`empty_segments`-shaped operand, e.g. from :func:`segments_in`)."""
-    _check_rows(src_RX)
+    check_rows(src_RX)
     X = src_RX.shape[1]
     G = row_start_G1.shape[0] - 1
     out = empty_segments(X, num_blocks, src_RX.device) if out is None else out

@@ -32,9 +32,9 @@ from torch import Tensor
 from megamoe.backends.symm.backend import SymmPlan
 from megamoe.backends.symm.quantized import QuantizedSymmBackend
 from megamoe.backends.symm.workspace import STATE_DONE
-from megamoe.backends.triton_mx.experts import MXExperts, RowPlan
+from megamoe.backends.triton.quantized_experts import RowPlan
+from megamoe.backends.triton_mx.experts import MXExperts
 from megamoe.backends.triton_mx.grouped_gemm import RemoteRows
-from megamoe.backends.triton_mx.weights import weight_cache
 from megamoe.quant.cache import WeightCache
 from megamoe.settings import SymmSettings
 
@@ -68,7 +68,7 @@ class MXFP8SymmBackend(QuantizedSymmBackend):
     experts: MXExperts
 
     def __init__(self, settings: SymmSettings, weights: WeightCache | None = None) -> None:
-        super().__init__(settings, MXExperts(weights if weights is not None else weight_cache()))
+        super().__init__(settings, MXExperts(weights))
 
     def gemm2_home(
         self, plan: SymmPlan, h_P2I: Tensor, weights_P: Tensor, w2_GHI: Tensor, pool: RowPlan

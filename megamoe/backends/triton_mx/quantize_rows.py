@@ -17,44 +17,12 @@ to any strided ``[R, B]`` view, so a kernel can read them block-major (coalesced
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
-from megamoe.backends.triton.grid import cdiv, next_power_of_2
+from megamoe.backends.triton.grid import next_power_of_2
+from megamoe.backends.triton.rows_quant import check_rows, quantize_rows_into
 from megamoe.backends.triton_mx.mx_math import quantize_along_cols
 from megamoe.quant.mx import BLOCK, MXTensor
-
-
-@triton.jit
-def _quantize_rows_kernel(
-    src_ptr,
-    data_ptr,
-    scale_ptr,
-    valid_rows_ptr,
-    R,
-    X,
-    stride_src,
-    stride_scale_r,
-    stride_scale_b,
-    HAS_VALID: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_X: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    limit = R
-    if HAS_VALID:
-        limit = tl.minimum(tl.load(valid_rows_ptr), R)
-    row_ok = rows < limit
-    cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
-    mask = row_ok[:, None] & (cols < X)[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
-    v = tl.load(src_ptr + rows64 * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    elements, codes = quantize_along_cols(v, BLOCK_X // 32)
-    tl.store(data_ptr + rows64 * X + cols[None, :], elements.to(tl.uint8), mask=mask)
-    blocks = tl.program_id(1) * (BLOCK_X // 32) + tl.arange(0, BLOCK_X // 32)
-    scale_ptrs = scale_ptr + rows64 * stride_scale_r + blocks[None, :].to(tl.int64) * stride_scale_b
-    tl.store(scale_ptrs, codes.to(tl.uint8), mask=row_ok[:, None] & (blocks * 32 < X)[None, :])
 
 
 def empty_rows_mx(rows: int, cols: int, device: torch.device, *, blocks_major: bool = True) -> MXTensor:
@@ -77,10 +45,7 @@ def quantize_rows(
     ``valid_rows_1`` (a one-element device tensor) limits the work to the first rows; the rest of ``out``
     is left untouched. ``src_RX`` may be any float dtype with unit column stride.
     """
-    if src_RX.dim() != 2 or src_RX.stride(1) != 1:
-        raise ValueError(
-            f"src_RX: expected a [R, X] tensor with unit column stride, got {tuple(src_RX.shape)}"
-        )
+    check_rows(src_RX)
     R, X = src_RX.shape
     if out is None:
         out = empty_rows_mx(R, X, src_RX.device)
@@ -90,24 +55,16 @@ def quantize_rows(
         or out.scale.shape[1] != -(-X // BLOCK)
     ):
         raise ValueError(f"out: expected contiguous MX buffers for [{R}, {X}], got {tuple(out.data.shape)}")
-    if R == 0 or X == 0:
-        return out
     interpret = src_RX.device.type != "cuda"
     block_x = min(next_power_of_2(max(X, BLOCK)), 64 if interpret else 256)
-    block_r = 8 if interpret else max(1, 4096 // block_x)
-    _quantize_rows_kernel[(cdiv(R, block_r), cdiv(X, block_x))](
+    quantize_rows_into(
         src_RX,
-        out.data.view(torch.uint8),
+        out.data,
         out.scale,
         valid_rows_1,
-        R,
-        X,
-        src_RX.stride(0),
-        out.scale.stride(0),
-        out.scale.stride(1),
-        HAS_VALID=valid_rows_1 is not None,
-        BLOCK_R=block_r,
-        BLOCK_X=block_x,
-        num_warps=1 if interpret else 4,
+        block_r=8 if interpret else max(1, 4096 // block_x),
+        block_x=block_x,
+        tile=BLOCK,
+        quantize_along_cols=quantize_along_cols,
     )
     return out

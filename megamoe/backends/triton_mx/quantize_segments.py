@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from megamoe.backends.triton.grid import cdiv, next_power_of_2
+from megamoe.backends.triton.rows_quant import check_rows
 from megamoe.backends.triton.segments import block_starts, quantize_segments_kernel
 from megamoe.backends.triton_mx.mx_math import quantize_along_rows
 from megamoe.quant.mx import BLOCK, MXTensor
@@ -85,18 +86,22 @@ def quantize_segments(
     num_blocks: int,
     *,
     index_R: Tensor | None = None,
+    out: MXTensor | None = None,
 ) -> MXTensor:
     """The packed wgrad operand: ``data [X, 32 num_blocks]`` E4M3 (segment g from column
-    ``32 block_start[g]``), codes ``[X, num_blocks]`` (stored block-major). ``num_blocks`` is a static
-    bound (``ceil(R / 32) + G``); columns past ``32 block_start[G]`` are left unwritten and never read.
-    Rows are ``src_RX[index_R[r]]`` when ``index_R`` is given (the fused dispatch gather)."""
-    if src_RX.dim() != 2 or src_RX.stride(1) != 1:
-        raise ValueError(
-            f"src_RX: expected a [R, X] tensor with unit column stride, got {tuple(src_RX.shape)}"
-        )
+    ``32 block_start[g]``), codes ``[X, num_blocks]`` (stored block-major), written into ``out`` when
+    given. ``num_blocks`` is a static bound (``ceil(R / 32) + G``); columns past ``32 block_start[G]``
+    are left unwritten and never read. Rows are ``src_RX[index_R[r]]`` when ``index_R`` is given (the
+    fused dispatch gather)."""
+    check_rows(src_RX)
     X = src_RX.shape[1]
-    data = torch.empty(X, num_blocks * BLOCK, dtype=torch.float8_e4m3fn, device=src_RX.device)
-    scale = torch.empty(num_blocks, X, dtype=torch.uint8, device=src_RX.device).t()
+    if out is None:
+        out = MXTensor(
+            data=torch.empty(X, num_blocks * BLOCK, dtype=torch.float8_e4m3fn, device=src_RX.device),
+            scale=torch.empty(num_blocks, X, dtype=torch.uint8, device=src_RX.device).t(),
+            dim=1,
+        )
+    data, scale = out.data, out.scale
     _launch(
         src_RX,
         index_R,
@@ -108,7 +113,7 @@ def quantize_segments(
         (0, data.stride(0), 0, scale.stride(0), scale.stride(1)),
         packed=True,
     )
-    return MXTensor(data=data, scale=scale, dim=1)
+    return out
 
 
 def quantize_transposed_weight(w_GYX: Tensor, out: MXTensor) -> None:

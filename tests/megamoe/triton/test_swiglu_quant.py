@@ -18,8 +18,8 @@ from torch import Tensor
 from megamoe.backends.triton.routing import build_routing_plan
 from megamoe.backends.triton_fp8 import swiglu as fp8_swiglu
 from megamoe.backends.triton_fp8.experts import FP8Experts
-from megamoe.backends.triton_mx import experts as mx_experts
 from megamoe.backends.triton_mx import swiglu as mx_swiglu
+from megamoe.backends.triton_mx.experts import MXExperts
 from megamoe.quant.mx import e8m0_to_float
 from tests.megamoe.triton_mx.test_quantize import DEVICE
 
@@ -37,7 +37,7 @@ class Format:
 
 FORMATS = [
     Format("fp8", 128, fp8_swiglu, FP8Experts.row_plan),
-    Format("mxfp8", 32, mx_swiglu, mx_experts.row_plan),
+    Format("mxfp8", 32, mx_swiglu, MXExperts.row_plan),
 ]
 
 

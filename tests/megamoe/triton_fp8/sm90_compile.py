@@ -17,17 +17,14 @@ import sys
 import triton
 from triton.experimental.gluon import language as gl
 
+from megamoe.backends.triton.rows_quant import quantize_rows_kernel
 from megamoe.backends.triton.segments import quantize_segments_kernel
 from megamoe.backends.triton.swiglu_quant import swiglu_backward_quant_kernel, swiglu_quant_kernel
 from megamoe.backends.triton_fp8 import wgmma_gemm, wgmma_wgrad
 from megamoe.backends.triton_fp8.configs import GPU_WGMMA, GPU_WGMMA_WGRAD, gemm_config, wgrad_config
 from megamoe.backends.triton_fp8.fp8_math import TILE, quantize_along_cols, quantize_along_rows
 from megamoe.backends.triton_fp8.grouped_gemm import _fp8_grouped_gemm_kernel
-from megamoe.backends.triton_fp8.quantize import (
-    _quantize_blocks_kernel,
-    _quantize_rows_kernel,
-    row_block,
-)
+from megamoe.backends.triton_fp8.quantize import _quantize_blocks_kernel, row_block
 from megamoe.backends.triton_fp8.wgrad import _fp8_wgrad_kernel
 from tests.megamoe.triton.sm90_compile import CUDA, NUM_SMS, G, H, I, R, T, config_constexprs, report
 
@@ -102,9 +99,10 @@ def _quantize_rows(rows: int, X: int, *, valid: bool) -> tuple:
     block_r, tiles = row_block(X, CUDA)
     args = dict(
         src_ptr="*bf16", data_ptr="*u8", scale_ptr="*fp32", valid_rows_ptr="*i32" if valid else None, R=rows,
-        X=X, stride_src=X, stride_scale_r=1, stride_scale_k=rows, HAS_VALID=valid, BLOCK_R=block_r, TILES=tiles,
+        X=X, stride_src=X, stride_scale_r=1, stride_scale_k=rows, HAS_VALID=valid, BLOCK_R=block_r,
+        BLOCK_X=tiles * TILE, TILE=TILE, QUANTIZE_ALONG_COLS=quantize_along_cols,
     )  # fmt: skip
-    return _quantize_rows_kernel, args, {"num_warps": 4}
+    return quantize_rows_kernel, args, {"num_warps": 4}
 
 
 def _quantize_segments(*, index: bool, X: int) -> tuple:

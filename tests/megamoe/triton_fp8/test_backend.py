@@ -123,15 +123,12 @@ def test_backward_frees_its_largest_temporaries_before_the_weight_gradients(monk
     """Stage 2's fp32 ``da [R, I]`` is freed before dW2's wgrad, and stage 1's ``dx`` rows ``[R, H]``
     before dW1's: neither is alive beside a weight gradient and its operands (each held there as much
     memory as the operand itself)."""
-    import inspect
     import weakref
 
-    from megamoe.backends.triton_fp8 import experts as fp8_module
-    from megamoe.backends.triton_mx import experts as mx_module
+    from megamoe.backends.triton_fp8.experts import FP8Experts
+    from megamoe.backends.triton_mx.experts import MXExperts
 
-    module, cls = (
-        (fp8_module, fp8_module.FP8Experts) if precision == "fp8" else (mx_module, mx_module.MXExperts)
-    )
+    cls = FP8Experts if precision == "fp8" else MXExperts
     temporaries: dict[str, list[weakref.ref]] = {}
     checked: list[str] = []
 
@@ -163,15 +160,10 @@ def test_backward_frees_its_largest_temporaries_before_the_weight_gradients(monk
 
         return wrapped
 
-    monkeypatch.setattr(
-        module, "swiglu_backward_quant", tracking("da", module.swiglu_backward_quant, lambda a, out: a[1])
-    )
+    swiglu_backward = tracking("da", cls.swiglu_backward_quant, lambda a, out: a[1])
+    monkeypatch.setattr(cls, "swiglu_backward_quant", staticmethod(swiglu_backward))
     monkeypatch.setattr(cls, "dgrad1", tracking_sink(cls.dgrad1))
-    along_r = inspect.getattr_static(cls, "_along_r")  # a staticmethod in FP8Experts, a method in MXExperts
-    if isinstance(along_r, staticmethod):
-        monkeypatch.setattr(cls, "_along_r", staticmethod(freed_before("da", along_r.__func__)))
-    else:
-        monkeypatch.setattr(cls, "_along_r", freed_before("da", along_r))
+    monkeypatch.setattr(cls, "_along_r", freed_before("da", cls._along_r))
     monkeypatch.setattr(cls, "wgrad1", freed_before("dx rows", cls.wgrad1))
     x, idx, tw, w1, w2, dy = _case(23, 48, 80, 5, 3, drop=0.15, empty=2)
     leaves = [t.clone().requires_grad_() for t in (x, tw, w1, w2)]

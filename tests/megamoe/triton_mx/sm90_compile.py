@@ -18,12 +18,12 @@ import sys
 
 import triton
 
+from megamoe.backends.triton.rows_quant import quantize_rows_kernel
 from megamoe.backends.triton.segments import quantize_segments_kernel
 from megamoe.backends.triton.swiglu_quant import swiglu_backward_quant_kernel, swiglu_quant_kernel
 from megamoe.backends.triton_mx.configs import WGRAD_BLOCK_ALIGN, gemm_config, wgrad_config
 from megamoe.backends.triton_mx.grouped_gemm import _mx_grouped_gemm_kernel
 from megamoe.backends.triton_mx.mx_math import quantize_along_cols, quantize_along_rows
-from megamoe.backends.triton_mx.quantize_rows import _quantize_rows_kernel
 from megamoe.backends.triton_mx.wgrad import _mx_wgrad_kernel
 from megamoe.quant.mx import BLOCK
 from tests.megamoe.triton.sm90_compile import CUDA, NUM_SMS, G, H, I, R, T, config_constexprs, report
@@ -72,10 +72,10 @@ def _quantize_rows(rows: int, X: int, *, valid: bool) -> tuple:
     block_x = min(triton.next_power_of_2(max(X, BLOCK)), 256)
     args = dict(
         src_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", valid_rows_ptr="*i32" if valid else None, R=rows,
-        X=X, stride_src=X, stride_scale_r=1, stride_scale_b=rows, HAS_VALID=valid,
-        BLOCK_R=max(1, 4096 // block_x), BLOCK_X=block_x,
+        X=X, stride_src=X, stride_scale_r=1, stride_scale_k=rows, HAS_VALID=valid,
+        BLOCK_R=max(1, 4096 // block_x), BLOCK_X=block_x, TILE=BLOCK, QUANTIZE_ALONG_COLS=quantize_along_cols,
     )  # fmt: skip
-    return _quantize_rows_kernel, args, {"num_warps": 4}
+    return quantize_rows_kernel, args, {"num_warps": 4}
 
 
 def _quantize_segments(*, index: bool, packed: bool, X: int, Y: int = 0) -> tuple:
