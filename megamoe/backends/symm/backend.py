@@ -119,8 +119,11 @@ class SymmBackend:
         send = build_routing_plan(topk_idx_TK, num_experts=num_experts, block_m=block_m(topk_idx_TK.device))
         return SymmPlan(group=group, num_experts=num_experts, send=send)
 
-    def exchange(self, plan: SymmPlan, x_TH: Tensor, weights_TK: Tensor) -> None:
-        """Stage 1's op start: the workspace, [pull: staging,] the count exchange with the barrier, the layout."""
+    def exchange(
+        self, plan: SymmPlan, x_TH: Tensor, weights_TK: Tensor, rows_TH: Tensor | None = None
+    ) -> None:
+        """Stage 1's op start: the workspace, [pull: staging,] the count exchange with the barrier, the layout.
+        ``rows_TH``: the rows that will move if not ``x_TH``'s (a narrower form of them, in its dtype)."""
         s = plan.send
         ws = get_workspace(
             plan.group,
@@ -133,7 +136,8 @@ class SymmBackend:
             settings=self.settings,
         )
         if ws.dispatch == "pull":
-            launch.stage_for_pull(ws, x_TH, s.row_token_R, s.row_values_R(weights_TK).float())
+            rows = x_TH if rows_TH is None else rows_TH
+            launch.stage_for_pull(ws, rows, s.row_token_R, s.row_values_R(weights_TK).float())
         launch.begin_op(ws, _counts(s))
         layout = build_layout(
             ws.view("counts"),  # both banks; the kernel reads this op's (epoch parity)

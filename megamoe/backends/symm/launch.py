@@ -106,7 +106,7 @@ def stage_for_pull(
     T, S = src_TH.shape[0], send_token_S.numel()
     bank = (ws.state[:1].long() + 1) % 2
     rows = bank * ws.max_tokens + torch.arange(T, device=bank.device)
-    ws.view("stage_x").index_copy_(0, rows, src_TH)
+    ws.view("stage_x", src_TH.shape[1]).index_copy_(0, rows, src_TH)
     slots = bank * ws.max_tokens * ws.key.topk + torch.arange(S, device=bank.device)
     ws.view("stage_token").index_copy_(0, slots, send_token_S)
     if send_weight_S is not None:
@@ -116,8 +116,9 @@ def stage_for_pull(
 def broadcast_rows(
     ws: SymmWorkspace, x_TH: Tensor, send_token_S: Tensor, send_weight_S: Tensor | None = None
 ) -> None:
-    """Broadcast mode, after the op's barrier: copy this rank's ``x`` (or ``dy``), send-order tokens
-    [and routing weights] into every peer's workspace, then set the flags ``pool_ready[me, *]`` there.
+    """Broadcast mode, after the op's barrier: copy this rank's ``x`` (or ``dy``, or rows of another width
+    up to H: :func:`~megamoe.backends.symm.workspace.narrow_rows`), send-order tokens [and routing weights]
+    into every peer's workspace, then set the flags ``pool_ready[me, *]`` there.
 
     Everything is ``copy_`` between device buffers mapped by symmetric memory: the copy engines, no SM.
     The flags are the barrier's ``signal_G`` (this op's epoch per expert), copied right after the rows
@@ -139,7 +140,7 @@ def broadcast_rows(
     def copies_then_signal() -> None:
         for d in range(ws.world):
             if d != me:
-                ws.peer_view(d, "bcast_x")[rows].copy_(x_TH)
+                ws.peer_view(d, "bcast_x", x_TH.shape[1])[rows].copy_(x_TH)
                 ws.peer_view(d, "bcast_token")[slots].copy_(send_token_S)
                 if send_weight_S is not None:
                     ws.peer_view(d, "bcast_weight")[slots].copy_(send_weight_S)

@@ -2,9 +2,10 @@
 
 The four steps are the same for both formats but for how the rows that GEMM2 and fc1's dgrad make
 go home, from the MX GEMMs' remote epilogue or by :func:`~megamoe.backends.symm.transport.return_rows`
-after the FP8 GEMMs, and for the rows GEMM1 takes (MX quantises inside its GEMM1, FP8 before it):
-each format's module (:mod:`megamoe.backends.triton_mx.ep_symm`,
-:mod:`megamoe.backends.triton_fp8.ep_symm`) subclasses :class:`QuantizedSymmBackend` with those three.
+after the FP8 GEMMs, and for the rows GEMM1 takes (MX moves bf16 rows and quantises them in its GEMM1;
+FP8 moves rows quantised at the source, their scales beside them): each format's module
+(:mod:`megamoe.backends.triton_mx.ep_symm`, :mod:`megamoe.backends.triton_fp8.ep_symm`) subclasses
+:class:`QuantizedSymmBackend` with those.
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ class QuantizedSymmBackend(SymmStatePlans):
         self.experts = experts
         self.weight_cache = experts.weight_cache
 
-    def gemm1_rows(self, rows: Tensor, pool: Any, index: Tensor | None) -> Any:
-        """The moved ``x`` rows as the format's GEMM1 takes them."""
+    def rows_to_send(self, x_TH: Tensor) -> Tensor:
+        """What travels for GEMM1: ``x``'s rows, or a form of them no wider (in ``x``'s dtype)."""
+        return x_TH
+
+    def gemm1_rows(self, rows: Tensor, pool: Any, index: Tensor | None, hidden: int) -> Any:
+        """The moved rows of :meth:`rows_to_send` as the format's GEMM1 takes them."""
         return rows
 
     def gemm2_home(self, plan: SymmPlan, h_P2I: Tensor, weights_P: Tensor, w2_GHI: Tensor, pool: Any) -> None:
@@ -51,10 +56,11 @@ class QuantizedSymmBackend(SymmStatePlans):
         self.experts.check_widths(x_TH.shape[1], w1_G2IH.shape[1] // 2)
         x, weights_TK = x_TH.contiguous(), topk_weights_TK.contiguous()
         plan = eager_plan(state, x)
-        symm_backend(state).exchange(plan, x, weights_TK)
-        rows, index, weights = transport.dispatch_rows(plan, x, weights_TK)
+        sent = self.rows_to_send(x)
+        symm_backend(state).exchange(plan, x, weights_TK, sent)
+        rows, index, weights = transport.dispatch_rows(plan, sent, weights_TK)
         pool = self.experts.row_plan(plan.recv)
-        h = self.experts.gemm1(self.gemm1_rows(rows, pool, index), w1_G2IH, pool, index)
+        h = self.experts.gemm1(self.gemm1_rows(rows, pool, index, x.shape[1]), w1_G2IH, pool, index)
         launch.check(plan.ws)
         return (h, weights, None, *state_of(plan))
 

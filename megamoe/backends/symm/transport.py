@@ -48,14 +48,18 @@ def dispatch_rows(
     Broadcast mode: ``rows`` are every rank's ``src_TH`` side by side in this workspace's copies
     (``[W * T_max, H]``; this rank's copied in locally), so no pool is filled and a quantiser reads each
     token once. Push and pull mode: ``rows`` is the pool, filled by the fused kernel's comm role alone.
-    Every rank sends whatever it needs itself, since its peers wait for its rows."""
-    ws, lay, s = plan.ws, plan.layout, plan.send
+    Every rank sends whatever it needs itself, since its peers wait for its rows.
+
+    ``src_TH`` may be narrower than the workspace's rows (H elements of its dtype): rows of that width
+    move and land packed (:func:`~megamoe.backends.symm.workspace.narrow_rows`), e.g. quantised rows
+    and their scales, viewed in the workspace's dtype."""
+    ws, lay, s, width = plan.ws, plan.layout, plan.send, src_TH.shape[1]
     send_weight_S = None
     if ws.dispatch == "broadcast":
         if weights_TK is not None:
             send_weight_S = s.row_values_R(weights_TK).float()
         launch.broadcast_rows(ws, src_TH, s.row_token_R, send_weight_S)
-        copies, own = ws.view("bcast_x"), ws.rank * ws.max_tokens
+        copies, own = ws.view("bcast_x", width), ws.rank * ws.max_tokens
         copies[own : own + src_TH.shape[0]].copy_(src_TH)
         ws.view("pool_ready")[ws.rank].copy_(ws.signal_G)  # own flags too: one wait covers every source
         launch.wait_flags(ws, "pool_ready", COUNTER_POOL)
@@ -64,7 +68,7 @@ def dispatch_rows(
     else:
         launch.push_rows(ws, fused.rows_to_move(plan, src_TH, weights_TK))
         launch.wait_flags(ws, "pool_ready", COUNTER_POOL)
-        rows, index = ws.view("pool"), None
+        rows, index = ws.view("pool", width), None
     weights = None if weights_TK is None else launch.pool_weights(ws, lay, send_weight_S, weights_TK.dtype)
     return rows, index, weights
 

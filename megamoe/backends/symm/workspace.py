@@ -122,19 +122,21 @@ class SymmWorkspace:
     def capacity_factor(self) -> float:
         return self.settings.capacity_factor
 
-    def view(self, name: str) -> Tensor:
-        """This rank's region ``name`` as a typed tensor."""
+    def view(self, name: str, width: int | None = None) -> Tensor:
+        """This rank's region ``name`` as a typed tensor; with ``width``, as rows of ``width`` elements
+        packed from the region's start (:func:`narrow_rows`)."""
         shape, dtype = self.shapes[name]
         off = self.offsets[name]
         nbytes = _numel(shape) * dtype.itemsize
-        return self.buffer[off : off + nbytes].view(dtype).view(shape)
+        return narrow_rows(self.buffer[off : off + nbytes].view(dtype).view(shape), width)
 
-    def peer_view(self, rank: int, name: str) -> Tensor:
-        """Rank ``rank``'s region ``name`` as a typed tensor this rank can copy into."""
+    def peer_view(self, rank: int, name: str, width: int | None = None) -> Tensor:
+        """Rank ``rank``'s region ``name`` as a typed tensor this rank can copy into (``width`` as in
+        :meth:`view`)."""
         shape, dtype = self.shapes[name]
         off = self.offsets[name]
         nbytes = _numel(shape) * dtype.itemsize
-        return self.peers[rank][off : off + nbytes].view(dtype).view(shape)
+        return narrow_rows(self.peers[rank][off : off + nbytes].view(dtype).view(shape), width)
 
     def note_received(self, rows_1: Tensor) -> None:
         """Keep the largest routed-row count of an op on the device (no host sync; read by :meth:`check_capacity`)."""
@@ -179,6 +181,18 @@ class SymmWorkspace:
 
 COUNTER_ARRIVE, COUNTER_POOL, COUNTER_COMBINE = 1, 2, 3
 _COUNTER_NAMES = {COUNTER_ARRIVE: "arrive", COUNTER_POOL: "pool_ready", COUNTER_COMBINE: "combine_ready"}
+
+
+def narrow_rows(region_RH: Tensor, width: int | None) -> Tensor:
+    """``region_RH`` (contiguous ``[R, H]``) as ``[R, width]`` rows packed from its start, ``width <= H``:
+    rows narrower than the region's (a quantised row and its scales, in the row's dtype) move through
+    it at their own size, and every kernel that reads or writes them uses ``width`` as the row stride."""
+    if width is None or width == region_RH.shape[1]:
+        return region_RH
+    rows, cols = region_RH.shape
+    if not 0 < width <= cols:
+        raise ValueError(f"rows of {width} elements do not fit the region's rows of {cols}")
+    return region_RH.view(-1)[: rows * width].view(rows, width)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -25,6 +25,7 @@ def quantize_rows_kernel(
     R,
     X,
     stride_src,
+    stride_data,
     stride_scale_r,
     stride_scale_k,
     HAS_VALID: tl.constexpr,
@@ -47,7 +48,7 @@ def quantize_rows_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     v = tl.load(src_ptr + rows64 * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     elements, scales = QUANTIZE_ALONG_COLS(v, TILES)
-    tl.store(data_ptr + rows64 * X + cols[None, :], elements.to(tl.uint8), mask=mask)
+    tl.store(data_ptr + rows64 * stride_data + cols[None, :], elements.to(tl.uint8), mask=mask)
     tiles = tl.program_id(1) * TILES + tl.arange(0, TILES)
     scale_ptrs = scale_ptr + rows64 * stride_scale_r + tiles[None, :].to(tl.int64) * stride_scale_k
     tl.store(
@@ -74,8 +75,8 @@ def quantize_rows_into(
     tile: int,
     quantize_along_cols,
 ) -> None:
-    """Write ``src_RX``'s rows into ``data [R, X]`` (contiguous E4M3) and ``scale [R, ceil(X / tile)]`` (any
-    strides); ``valid_rows_1`` (a one-element device tensor) limits the work to the first rows, leaving
+    """Write ``src_RX``'s rows into ``data [R, X]`` (E4M3, unit column stride) and ``scale [R, ceil(X / tile)]``
+    (any strides); ``valid_rows_1`` (a one-element device tensor) limits the work to the first rows, leaving
     the rest unwritten. ``block_x`` is a multiple of ``tile``."""
     R, X = src_RX.shape
     if R == 0 or X == 0:
@@ -88,6 +89,7 @@ def quantize_rows_into(
         R,
         X,
         src_RX.stride(0),
+        data.stride(0),
         scale.stride(0),
         scale.stride(1),
         HAS_VALID=valid_rows_1 is not None,

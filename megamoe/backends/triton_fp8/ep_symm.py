@@ -10,7 +10,7 @@ capture in a CUDA graph (the NCCL transport reads split sizes on the host and ca
 bf16 fused path's :class:`~megamoe.backends.symm.ops.SymmState`. The FP8 GEMMs have no remote epilogue,
 so the rows they make go home in one more launch (:func:`~megamoe.backends.symm.transport.return_rows`)::
 
-    stage 1 fwd   count exchange, layout; x rows moved; t(x) rowwise here; h = t(x)[rows] b(W1)^T
+    stage 1 fwd   count exchange, layout; t(x) rowwise, its rows moved; h = t(x)[rows] b(W1)^T
     stage 2 fwd   o = t(swiglu(h)) b(W2)^T; each row * w sent to its source; y = sum over K (fp32)
     stage 2 bwd   dy rows moved; da = t(dy)[rows] b(W2^T)^T; SwiGLU bwd; dW2 = t(dy[rows])^T t(w a)
     stage 1 bwd   x rows moved again (never saved); t(dh) b(W1^T)^T in column ranges, each sent to the
@@ -20,9 +20,11 @@ The steps are :class:`~megamoe.backends.symm.quantized.QuantizedSymmBackend`'s, 
 format; this module says how the rows go home (by ``return_rows`` after the FP8 GEMMs) and quantises
 GEMM1's rows first.
 
-Rows move in bf16 and are quantised on the expert's rank, which gives the bits of quantising at the
-source (rowwise tiles commute with moving rows); the NCCL transport moves them as E4M3 bytes and
-scales instead.
+The forward's rows are quantised rowwise at the source and move as one row each, E4M3 bytes with their
+scales beside them (:func:`~megamoe.backends.triton_fp8.quantize.quantize_rows_packed`: 1 + 4/128 bytes
+an element against bf16's 2), through the workspace's bf16 rows; rowwise tiles commute with moving
+rows, so the bits are those of quantising on the expert's rank. The backward moves bf16 ``dy`` and
+``x`` rows: its weight gradients quantise them along R, in tiles that do not move with a row.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from megamoe.backends.symm.backend import SymmPlan
 from megamoe.backends.symm.quantized import QuantizedSymmBackend
 from megamoe.backends.triton.quantized_experts import RowPlan
 from megamoe.backends.triton_fp8.experts import FP8Experts
+from megamoe.backends.triton_fp8.quantize import quantize_rows_packed, unpack_rows
 from megamoe.quant.cache import WeightCache
 from megamoe.quant.fp8 import FP8Tensor
 from megamoe.settings import SymmSettings
@@ -49,9 +52,12 @@ class FP8SymmBackend(QuantizedSymmBackend):
     def __init__(self, settings: SymmSettings, weights: WeightCache | None = None) -> None:
         super().__init__(settings, FP8Experts(weights))
 
-    def gemm1_rows(self, rows: Tensor, pool: RowPlan, index: Tensor | None) -> FP8Tensor:
-        """``t(x)`` rowwise on this rank (the same bits as at the source)."""
-        return self.experts.rowwise(rows, pool, index)
+    def rows_to_send(self, x_TH: Tensor) -> Tensor:
+        """``t(x)`` rowwise at the source, each row's scales beside its E4M3 bytes."""
+        return quantize_rows_packed(x_TH)
+
+    def gemm1_rows(self, rows: Tensor, pool: RowPlan, index: Tensor | None, hidden: int) -> FP8Tensor:
+        return unpack_rows(rows, hidden)
 
     def gemm2_home(
         self, plan: SymmPlan, h_P2I: Tensor, weights_P: Tensor, w2_GHI: Tensor, pool: RowPlan

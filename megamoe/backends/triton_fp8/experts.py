@@ -38,6 +38,7 @@ from megamoe.backends.triton_fp8.quantize import (
     gather_rows,
     quantize_rows,
     quantize_segments,
+    rows_for_tma,
     segments_in,
 )
 from megamoe.backends.triton_fp8.swiglu import swiglu_backward_quant, swiglu_quant
@@ -73,12 +74,12 @@ class FP8Experts(QuantizedExperts):
 
     def _gemm(self, a: FP8Tensor, b: FP8Tensor, out: Tensor, plan: RowPlan, a_rows: Tensor | None) -> None:
         """``out = a[a_rows] b^T`` over the plan's tiles. On Hopper, the warp-specialised Gluon kernel
-        after gathering the quantised rows (one byte an element, a copy at memory speed); elsewhere the
-        Triton kernel, which gathers them itself."""
+        after gathering the quantised rows (one byte an element, a copy at memory speed; rows that came
+        packed with their scales are laid out for TMA the same way); elsewhere the Triton kernel, which
+        gathers them itself and reads any row stride."""
         device = out.device
         if wgmma_gemm is not None and wgmma_gemm.supported(device):
-            if a_rows is not None:
-                a = gather_rows(a, a_rows)
+            a = gather_rows(a, a_rows) if a_rows is not None else rows_for_tma(a)
             wgmma_gemm.wgmma_fp8_grouped_gemm(
                 a, b, out, plan.routing, config=GPU_WGMMA, num_sms=num_programs(device)
             )

@@ -8,6 +8,9 @@ slots along R, KB = ceil(X / 128).
   tile reads one K tile's scales of its rows as one line). The producer of every rowwise GEMM operand
   not fused elsewhere: ``x`` and ``dy`` at the source (rowwise tiles commute with the row gather),
   ``dh`` for the fc1 dgrad.
+* :func:`quantize_rows_packed` — the same tiles with each row's scales after its E4M3 bytes, in one
+  row no wider than the source's (:func:`unpack_rows` reads it): ``x``'s rows as they move over the
+  symmetric-memory workspace.
 * :func:`quantize_segments` — the packed wgrad operand: E4M3 ``[X, 128 NB]`` (R contiguous, what
   Hopper's FP8 MMA wants for a reduction over R) + scales ``[X, NB]``; segment g from column
   ``128 block_start[g]``, its last tile zero-padded. ``index`` fuses the dispatch gather.
@@ -85,6 +88,65 @@ def quantize_rows(src_RX: Tensor, *, valid_rows_1: Tensor | None = None) -> FP8T
         tile=TILE,
         quantize_along_cols=quantize_along_cols,
     )
+    return out
+
+
+def packed_row_bytes(cols: int) -> int:
+    """Bytes of one row with its scales beside it (:func:`quantize_rows_packed`): ``cols`` E4M3 bytes,
+    then ``ceil(cols / 128)`` float32 scales, rounded up to 16 bytes."""
+    return -(-(cols + 4 * -(-cols // TILE)) // 16) * 16
+
+
+def quantize_rows_packed(src_RX: Tensor) -> Tensor:
+    """``src_RX``'s rows in 1×128 tiles, each row's E4M3 bytes followed by its scales, in one ``[R, W]``
+    tensor of ``src_RX``'s dtype (``W`` elements hold :func:`packed_row_bytes` bytes; at most ``X``):
+    rows that move between ranks as one row each, in about half of bf16's bytes, through buffers made
+    for the unquantised rows. :func:`unpack_rows` reads them; the bits are :func:`quantize_rows`'s."""
+    check_rows(src_RX)
+    R, X = src_RX.shape
+    packed = torch.empty(
+        R, packed_row_bytes(X) // src_RX.element_size(), dtype=src_RX.dtype, device=src_RX.device
+    )
+    rows = unpack_rows(packed, X)
+    block_r, tiles = row_block(X, src_RX.device)
+    quantize_rows_into(
+        src_RX,
+        rows.data,
+        rows.scale,
+        None,
+        block_r=block_r,
+        block_x=tiles * TILE,
+        tile=TILE,
+        quantize_along_cols=quantize_along_cols,
+    )
+    return packed
+
+
+def unpack_rows(packed_RW: Tensor, cols: int) -> FP8Tensor:
+    """The :class:`FP8Tensor` of :func:`quantize_rows_packed`'s rows (``packed_RW``: any rows of them, row
+    stride ``W``), as views: ``data [R, cols]`` and ``scales [R, KB]``, both at the packed row stride."""
+    raw = packed_RW.view(torch.uint8)
+    if raw.shape[1] < packed_row_bytes(cols) or raw.stride(1) != 1:
+        raise ValueError(
+            f"packed rows of {raw.shape[1]} bytes cannot hold {cols} FP8 columns and their scales"
+        )
+    tiles = -(-cols // TILE)
+    return FP8Tensor(
+        data=raw[:, :cols].view(torch.float8_e4m3fn),
+        scale=raw[:, cols : cols + 4 * tiles].view(torch.float32),
+        tile=(1, TILE),
+    )
+
+
+def rows_for_tma(a: FP8Tensor) -> FP8Tensor:
+    """``a``'s rows in the layout the GEMMs read by TMA (:func:`empty_rows`: data contiguous, scales
+    stored ``[KB, R]``): a copy at memory speed, one byte an element; ``a`` itself when it has it."""
+    R, X = a.data.shape
+    if a.data.is_contiguous() and a.scale.stride() == (1, max(R, 1)):
+        return a
+    out = empty_rows(R, X, a.data.device)
+    out.data.copy_(a.data)
+    out.scale.copy_(a.scale)
     return out
 
 

@@ -99,3 +99,18 @@ def test_layers_own_one_workspace_the_caller_sized_and_it_dies_with_them(tmp_pat
         assert "holds 24 tokens per rank" in r["larger"]
         assert "tokens on this EP rank=25" in r["too_many_tokens"]
         assert r["freed"]
+
+
+def test_narrow_rows_pack_from_the_region_start_and_never_overrun_it() -> None:
+    """Rows narrower than the region's (quantised rows with their scales) move at their own size."""
+    from megamoe.backends.symm.workspace import narrow_rows
+
+    region = torch.arange(4 * 6.0).view(4, 6)
+    assert narrow_rows(region, None) is region and narrow_rows(region, 6) is region
+    packed = narrow_rows(region, 4)
+    assert packed.shape == (4, 4) and packed.is_contiguous()
+    assert packed.data_ptr() == region.data_ptr()
+    packed[3] = -1.0  # row 3 of width 4 ends at element 16, inside the region's first 3 rows
+    assert (region.view(-1)[12:16] == -1).all() and (region.view(-1)[16:] >= 0).all()
+    with pytest.raises(ValueError, match="do not fit"):
+        narrow_rows(region, 7)

@@ -99,7 +99,7 @@ def _quantize_rows(rows: int, X: int, *, valid: bool) -> tuple:
     block_r, tiles = row_block(X, CUDA)
     args = dict(
         src_ptr="*bf16", data_ptr="*u8", scale_ptr="*fp32", valid_rows_ptr="*i32" if valid else None, R=rows,
-        X=X, stride_src=X, stride_scale_r=1, stride_scale_k=rows, HAS_VALID=valid, BLOCK_R=block_r,
+        X=X, stride_src=X, stride_data=X, stride_scale_r=1, stride_scale_k=rows, HAS_VALID=valid, BLOCK_R=block_r,
         BLOCK_X=tiles * TILE, TILE=TILE, QUANTIZE_ALONG_COLS=quantize_along_cols,
     )  # fmt: skip
     return quantize_rows_kernel, args, {"num_warps": 4}

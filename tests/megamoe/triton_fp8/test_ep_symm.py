@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megamoe.backends.triton_fp8.quantize import packed_row_bytes
 from tests._dist import run_ranks
 from tests.megamoe.triton_fp8.test_backend import FLOOR_DB, _assert_matches
 from tests.megamoe.triton_mx.test_ep_symm import ep_symm_rank
@@ -42,3 +43,7 @@ def test_fp8_over_symmetric_memory_matches_the_emulation(tmp_path, world, tokens
     ):
         for layer, got in enumerate(layers):
             _assert_matches(got["triton"], got["reference"], FLOOR_DB, where=f"rank {rank} layer {layer} ")
+            # the forward's rows travel quantised with their scales (144 E4M3 bytes and 2 float32 scales,
+            # 160 bytes with the padding); the backward's dy and x rows unquantised (float32 here)
+            assert got["row_bytes"] == [packed_row_bytes(SHAPE[0]), 4 * SHAPE[0], 4 * SHAPE[0]]
+            assert packed_row_bytes(SHAPE[0]) == 160

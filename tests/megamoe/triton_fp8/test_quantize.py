@@ -13,11 +13,16 @@ import torch
 
 from megamoe.backends.triton_fp8.quantize import (
     empty_weight,
+    gather_rows,
+    packed_row_bytes,
     quantize_rows,
+    quantize_rows_packed,
     quantize_segments,
     quantize_weight,
     quantize_weight_both,
+    rows_for_tma,
     segment_block_starts,
+    unpack_rows,
 )
 from megamoe.quant.fp8 import quantize_fp8, quantize_fp8_blocks
 from tests.megamoe.triton_mx.test_quantize import DEVICE, spread
@@ -47,6 +52,33 @@ def test_rows_nan_poisons_only_its_tile_and_valid_rows_limit_the_work() -> None:
     assert torch.isnan(got.scale[0, 0]) and got.scale[0, 1] == want.scale[0, 1]
     assert torch.isnan(got.scale[1, 1]) and got.scale[1, 0] == want.scale[1, 0]
     torch.testing.assert_close(got.scale[:3], want.scale, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("cols", [16, 144, 272])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rows_hold_the_rowwise_bits_in_at_most_the_rows_width(cols: int, dtype: torch.dtype) -> None:
+    """The rows that move between ranks: each row's E4M3 bytes then its scales, no wider than the
+    unquantised row, read back (as views, gathered, or laid out for TMA) with :func:`quantize_rows`'s bits."""
+    src = spread(7, cols, seed=cols, dtype=dtype).to(DEVICE)
+    src[2] = 0.0
+    packed = quantize_rows_packed(src)
+    nbytes = packed_row_bytes(cols)
+    assert nbytes % 16 == 0 and nbytes >= cols + 4 * -(-cols // 128)
+    assert packed.dtype == dtype and packed.shape == (7, nbytes // src.element_size())
+    assert packed.shape[1] <= cols
+    want = quantize_fp8(src, dim=1)
+    index = torch.tensor([6, 0, 0, 3], dtype=torch.int32, device=DEVICE)
+    for got, rows in (
+        (unpack_rows(packed, cols), slice(None)),
+        (rows_for_tma(unpack_rows(packed, cols)), slice(None)),
+        (gather_rows(unpack_rows(packed, cols), index), index.long()),
+    ):
+        torch.testing.assert_close(got.scale, want.scale[rows], rtol=0, atol=0)
+        assert torch.equal(_bytes(got.data), _bytes(want.data[rows]))
+    tma = rows_for_tma(unpack_rows(packed, cols))
+    assert tma.data.is_contiguous() and tma.scale.t().is_contiguous()  # what the GEMMs read by TMA
+    with pytest.raises(ValueError, match="cannot hold"):
+        unpack_rows(packed[:, :-1], cols)
 
 
 def test_segments_match_quantize_fp8_per_segment_bitwise() -> None:

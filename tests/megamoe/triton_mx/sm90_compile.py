@@ -72,7 +72,7 @@ def _quantize_rows(rows: int, X: int, *, valid: bool) -> tuple:
     block_x = min(triton.next_power_of_2(max(X, BLOCK)), 256)
     args = dict(
         src_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", valid_rows_ptr="*i32" if valid else None, R=rows,
-        X=X, stride_src=X, stride_scale_r=1, stride_scale_k=rows, HAS_VALID=valid,
+        X=X, stride_src=X, stride_data=X, stride_scale_r=1, stride_scale_k=rows, HAS_VALID=valid,
         BLOCK_R=max(1, 4096 // block_x), BLOCK_X=block_x, TILE=BLOCK, QUANTIZE_ALONG_COLS=quantize_along_cols,
     )  # fmt: skip
     return quantize_rows_kernel, args, {"num_warps": 4}

@@ -31,17 +31,27 @@ def ep_symm_rank(
     precision: str = "mxfp8",
     shape: tuple[int, int, int, int] = SHAPE,
 ) -> list[dict]:
-    """Per layer, ``{"triton": outputs, "reference": outputs}`` of one rank (the FP8 twin of this test
-    runs it with its precision and shape)."""
+    """Per layer, ``{"triton": outputs, "reference": outputs, "row_bytes": [...]}`` of one rank:
+    ``row_bytes``, the bytes of one moved row for each op that moves rows, in order (the FP8 twin of
+    this test runs it with its precision and shape)."""
     import os
 
     import torch.distributed as dist
 
     from megamoe import fused_mega_moe
+    from megamoe.backends.symm import transport
     from megamoe.backends.symm.workspace import live_workspaces
     from tests.megamoe.triton.interpreter_compat import install
 
     install()
+    row_bytes: list[int] = []
+    dispatch_rows = transport.dispatch_rows
+
+    def recording(plan, src_TH, *args, **kwargs):
+        row_bytes.append(src_TH.shape[1] * src_TH.element_size())
+        return dispatch_rows(plan, src_TH, *args, **kwargs)
+
+    transport.dispatch_rows = recording  # a rank process of its own: nothing else sees it
     os.environ["MEGAMOE_EP_TRANSPORT"] = "symm"
     os.environ["MEGAMOE_SYMM_DISPATCH"] = dispatch
     os.environ["MEGAMOE_SYMM_DEBUG"] = "1"  # a stuck wait raises instead of hanging the test
@@ -57,6 +67,7 @@ def ep_symm_rank(
             w[rank * G : (rank + 1) * G] for w in _case(4, H, I, E, K, drop=0, seed=layer, device="cpu")[3:5]
         )
         got = {}
+        row_bytes.clear()
         for backend in ("triton", "reference"):
             leaves = [t.clone().requires_grad_() for t in (x, tw, w1, w2)]
             y = fused_mega_moe(
@@ -64,6 +75,7 @@ def ep_symm_rank(
             )
             grads = torch.autograd.grad(y, leaves, dy)
             got[backend] = dict(zip(GRADS, (y.detach(), *grads), strict=True))
+        got["row_bytes"] = list(row_bytes)
         out.append(got)
     (ws,) = live_workspaces()
     assert int(ws.state[0]) == 4 * len(tokens)  # the symm transport ran: one epoch per step
@@ -91,3 +103,5 @@ def test_mxfp8_over_symmetric_memory_matches_the_emulation(tmp_path, world, toke
                     continue
                 db = snr_db(ours, ref)
                 assert db >= 60.0, f"rank {rank} layer {layer} {name}: {db:.1f} dB"
+            # x, dy and x again move unquantised (float32 here): GEMM1 quantises its rows where they land
+            assert got["row_bytes"] == [4 * SHAPE[0]] * 3
