@@ -20,6 +20,10 @@ from megamoe.backends.quantized_triton import QuantizedTritonBackend
 from megamoe.errors import UnsupportedSettingError
 from tests.megamoe.triton_mx.test_quantize import DEVICE
 
+FLOOR_DB = 60.0 if DEVICE.type == "cpu" else 40.0
+"""SNR against the emulation: fp32 summation order only (CPU); the tensor core's accumulation (GPU:
+52-59 dB on an H100)."""
+
 GRADS = ("y", "dx", "d_topk_weights", "dw1", "dw2")
 
 
@@ -72,7 +76,7 @@ def test_triton_mxfp8_matches_emulation(
         if want.numel() == 0 or want.abs().max() == 0:
             assert (got == 0).all(), f"{name}: expected zeros"
             continue
-        assert snr_db(got, want) >= 60.0, f"{name}: {snr_db(got, want):.1f} dB"
+        assert snr_db(got, want) >= FLOOR_DB, f"{name}: {snr_db(got, want):.1f} dB"
 
 
 def test_triton_mxfp8_stage1_pads_dropped_rows_with_zeros_and_matches_emulation() -> None:

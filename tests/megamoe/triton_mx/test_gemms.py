@@ -25,6 +25,11 @@ from megamoe.backends.triton_mx.wgrad import mx_wgrad
 from megamoe.quant.mx import fake_quantize_mx, quantize_mx
 from tests.megamoe.triton_mx.test_quantize import DEVICE
 
+INTERPRETED = DEVICE.type == "cpu"
+REL_TOL, FLOOR_DB = (1e-5, 60.0) if INTERPRETED else (2e-3, 50.0)
+"""Interpreted, the kernels sum in float32 as the reference does; a GPU's tensor cores add the products
+of each MMA in reduced precision first (measured on an H100: 4e-4 of a row's largest element)."""
+
 
 def spread(rows: int, cols: int, *, seed: int) -> torch.Tensor:
     """Gaussian values times 2**U(-8, 8) per element: a wrong block or scale shows, nothing overflows."""
@@ -78,8 +83,8 @@ def test_mx_grouped_gemm_matches_dequantised_product(
     got = out[:valid].double().cpu()
     assert torch.isfinite(got).all()
     scale = want.abs().amax(dim=1, keepdim=True).clamp_min(1e-300)
-    assert ((got - want).abs() / scale).max() < 1e-5
-    assert snr_db(got, want) >= 60.0
+    assert ((got - want).abs() / scale).max() < REL_TOL
+    assert snr_db(got, want) >= FLOOR_DB
 
 
 @pytest.mark.parametrize(
@@ -112,8 +117,8 @@ def test_mx_wgrad_matches_per_expert_product_of_along_r_operands(counts: list[in
         if not counts[g]:
             assert (got == 0).all(), f"expert {g} has no rows: zero gradient"
             continue
-        assert snr_db(got, want) >= 60.0, f"expert {g}"
-        assert ((got - want).abs() / want.abs().max()).max() < 1e-5, f"expert {g}"
+        assert snr_db(got, want) >= FLOOR_DB, f"expert {g}"
+        assert ((got - want).abs() / want.abs().max()).max() < REL_TOL, f"expert {g}"
 
 
 def test_mx_wgrad_rejects_a_stage_deeper_than_the_block_alignment() -> None:
@@ -146,7 +151,7 @@ def test_mx_grouped_gemm_any_stage_depth_matches(block_k: int) -> None:
         fake_quantize_mx(src, dim=1).double()[rows],
         fake_quantize_mx(w, dim=-1).double()[experts],
     )
-    assert snr_db(out.double().cpu(), want) >= 60.0
+    assert snr_db(out.double().cpu(), want) >= FLOOR_DB
 
 
 def test_mx_grouped_gemm_nan_block_poisons_only_its_rows() -> None:
