@@ -75,9 +75,13 @@ def quantize_rows(src_RX: Tensor, *, valid_rows_1: Tensor | None = None) -> FP8T
     """``src_RX`` in 1×128 tiles along each row; ``valid_rows_1`` (a one-element device tensor) limits
     the work to the first rows (the rest is left unwritten). Any float dtype, unit column stride."""
     check_rows(src_RX)
-    R, X = src_RX.shape
-    out = empty_rows(R, X, src_RX.device)
-    block_r, tiles = row_block(X, src_RX.device)
+    out = empty_rows(*src_RX.shape, src_RX.device)
+    _quantize_rows_into(src_RX, out, valid_rows_1)
+    return out
+
+
+def _quantize_rows_into(src_RX: Tensor, out: FP8Tensor, valid_rows_1: Tensor | None) -> None:
+    block_r, tiles = row_block(src_RX.shape[1], src_RX.device)
     quantize_rows_into(
         src_RX,
         out.data,
@@ -88,7 +92,6 @@ def quantize_rows(src_RX: Tensor, *, valid_rows_1: Tensor | None = None) -> FP8T
         tile=TILE,
         quantize_along_cols=quantize_along_cols,
     )
-    return out
 
 
 def packed_row_bytes(cols: int) -> int:
@@ -107,18 +110,7 @@ def quantize_rows_packed(src_RX: Tensor) -> Tensor:
     packed = torch.empty(
         R, packed_row_bytes(X) // src_RX.element_size(), dtype=src_RX.dtype, device=src_RX.device
     )
-    rows = unpack_rows(packed, X)
-    block_r, tiles = row_block(X, src_RX.device)
-    quantize_rows_into(
-        src_RX,
-        rows.data,
-        rows.scale,
-        None,
-        block_r=block_r,
-        block_x=tiles * TILE,
-        tile=TILE,
-        quantize_along_cols=quantize_along_cols,
-    )
+    _quantize_rows_into(src_RX, unpack_rows(packed, X), None)
     return packed
 
 
