@@ -400,7 +400,8 @@ def _write_json(
     show_default=True,
     help="expert GEMM precision; mxfp8 and fp8 (layer mode) time that Triton backend against our own "
     "bf16 Triton path in the same run (speed-up = bf16 ms / ours ms; fp8 also times mxfp8 beside them; "
-    "mxfp8 with --num-processes > 1 over symmetric memory, and the NCCL pipeline), and report the SNR "
+    "with --num-processes > 1: mxfp8 over symmetric memory, fp8 over symmetric memory and over NCCL "
+    "all-to-all, beside bf16 and the NCCL pipeline), and on one GPU report the SNR "
     "against float32 and against the precision's exact emulation. Each call starts an optimizer step: its "
     "forward quantises the weights and its backward reuses them, as in training without gradient "
     "accumulation, unless --cached-weights",
@@ -447,8 +448,6 @@ def main(
         raise click.BadParameter(
             "--cached-weights is benchmarked on one GPU only", param_hint="--cached-weights"
         )
-    if precision == "fp8" and num_processes > 1:
-        raise click.BadParameter("fp8 is benchmarked on one GPU only", param_hint="--precision")
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         raise click.BadParameter(

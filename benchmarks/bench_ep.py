@@ -52,6 +52,8 @@ _NO_MULTICAST = {
 }
 
 
+TRANSPORT_NAMES = {"symm": "symmetric memory", "nccl": "NCCL all-to-all"}
+
 OP_CALLS_PER_SAMPLE = 3
 """back-to-back calls per timed sample of one fused op (its legs and its serial path alike)."""
 
@@ -359,24 +361,39 @@ def bench_stages(name: str, shape: ModelShape, routing: str, group, mode: str) -
     return results
 
 
+LAYER_LEGS: dict[str, tuple[tuple[str, str], ...]] = {
+    "bf16": (("bf16", "symm"),),
+    "mxfp8": (("bf16", "symm"), ("mxfp8", "symm")),
+    "fp8": (("bf16", "symm"), ("fp8", "symm"), ("fp8", "nccl")),
+}
+"""``--precision``'s legs of ``--mode layer``, (precision, transport) each, timed beside the NCCL pipeline:
+a quantised precision beside our bf16 path; FP8 over both of its transports."""
+
+
 def bench_layer(
     name: str, shape: ModelShape, routing: str, group, precision: str = "bf16"
 ) -> list[LayerResult]:
-    """``fused_mega_moe`` forward + backward against the NCCL all-to-all + ``_grouped_mm`` pipeline;
-    with ``precision="mxfp8"`` the MXFP8 path over symmetric memory too (weights re-quantised every call)."""
+    """``fused_mega_moe`` forward + backward against the NCCL all-to-all + ``_grouped_mm`` pipeline, for
+    each of ``precision``'s :data:`LAYER_LEGS` (quantised weights re-quantised every call)."""
     from megamoe import fused_mega_moe
+    from megamoe.settings import EPSettings
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     x, idx, tw, w1, w2 = rank_inputs(shape, routing, world, rank)
     leaves = [t.requires_grad_() for t in (x, tw, w1, w2)]
     dy = torch.randn_like(x)
+    env = EPSettings.from_env()
 
-    def ours(precision: str) -> Callable[[], Tensor]:
-        return lambda: fused_mega_moe(x, idx, tw, w1, w2, group=group, backend="triton", precision=precision)
+    def ours(precision: str, transport: str) -> Callable[[], Tensor]:
+        settings = replace(env, transport=transport)
+        return lambda: fused_mega_moe(
+            x, idx, tw, w1, w2, group=group, backend="triton", precision=precision, settings=settings
+        )
 
-    impls = {"megamoe (symmetric memory)": ours("bf16")}
-    if precision == "mxfp8":
-        impls["megamoe mxfp8 (symmetric memory)"] = ours("mxfp8")
+    impls = {
+        f"megamoe{'' if p == 'bf16' else ' ' + p} ({TRANSPORT_NAMES[t]})": ours(p, t)
+        for p, t in LAYER_LEGS[precision]
+    }
     impls["NCCL all-to-all + torch._grouped_mm"] = lambda: baseline_ep_layer(x, idx, tw, w1, w2, group)
     flops = 3 * 6 * shape.tokens * shape.topk * shape.hidden * shape.inter
     steps = [

@@ -75,3 +75,60 @@ def test_overlap_and_speedup_and_their_table() -> None:
         "| DeepSeek-V3 | uniform | fwd: GEMM2 + combine | 1.500 | 3.000 | 3.200 | 93.8% | 6.400 | 2.00x |"
         in table
     )
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8", "fp8"])
+def test_layer_mode_times_each_precision_over_its_transports_beside_the_nccl_pipeline(
+    monkeypatch, precision
+) -> None:
+    """Which ``fused_mega_moe`` calls each leg makes (precision, transport: FP8 over both of its
+    transports), timed in one interleaved comparison with the NCCL pipeline; the GPU timings are
+    docs/benchmarks.md's. The inputs are CPU tensors and the op a stand-in: only the bookkeeping runs."""
+    import torch
+
+    import megamoe
+    from benchmarks.common import MODELS
+
+    shape = MODELS["Qwen3-30B-A3B"]
+    monkeypatch.setattr(bench_ep.dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(bench_ep.dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(
+        bench_ep,
+        "rank_inputs",
+        lambda *a: (torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2),
+                    torch.zeros(1, 6, 8), torch.zeros(1, 8, 3)),
+    )  # fmt: skip
+    calls: list[tuple[str, str]] = []
+
+    def fused(x, idx, tw, w1, w2, *, group, backend, precision, settings):
+        assert backend == "triton"
+        calls.append((precision, settings.transport))
+        return x * 2 + tw.sum() + w1.sum() + w2.sum()
+
+    monkeypatch.setattr(megamoe, "fused_mega_moe", fused)
+    monkeypatch.setattr(
+        bench_ep, "baseline_ep_layer", lambda x, *a: calls.append(("nccl pipeline", "")) or x * 3
+    )
+    monkeypatch.setattr(bench_ep, "_max_peak_gib", lambda fn: 0.5)
+    timed: list[int] = []
+
+    def interleaved(fns, **_):
+        timed.append(len(fns))
+        for fn in fns:
+            fn()
+        return [float(i + 1) for i in range(len(fns))]
+
+    monkeypatch.setattr(bench_ep, "time_collective_interleaved", interleaved)
+    results = bench_ep.bench_layer("Qwen3-30B-A3B", shape, "uniform", None, precision)
+    legs = {
+        "bf16": [("bf16", "symm")],
+        "mxfp8": [("bf16", "symm"), ("mxfp8", "symm")],
+        "fp8": [("bf16", "symm"), ("fp8", "symm"), ("fp8", "nccl")],
+    }[precision]
+    assert calls == [*legs, ("nccl pipeline", "")] and timed == [len(legs) + 1]
+    names = [r.impl for r in results]
+    assert names[-1] == "NCCL all-to-all + torch._grouped_mm" and len(set(names)) == len(names)
+    if precision == "fp8":
+        assert names[1:3] == ["megamoe fp8 (symmetric memory)", "megamoe fp8 (NCCL all-to-all)"]
+    table = bench_ep.format_layers(results)
+    assert f"| {names[0]} | 1.000 |" in table and f"| {names[-1]} | {len(names)}.000 |" in table
