@@ -40,6 +40,10 @@ from megamoe.backends.triton_fp8.fp8_math import (
 )
 from megamoe.quant.fp8 import FP8Tensor
 
+SEGMENT_COLUMNS = 32
+"""columns a program of :func:`quantize_segments` quantises on a GPU: a [128, 32] fp32 tile, no spills"""
+SEGMENT_WARPS = 4
+
 
 def empty_rows(rows: int, cols: int, device: torch.device) -> FP8Tensor:
     """Uninitialised ``[rows, cols]`` FP8 buffers in 1×128 tiles along each row, scales stored ``[KB, rows]``."""
@@ -196,7 +200,7 @@ def quantize_segments(
     if num_blocks == 0 or X == 0 or G == 0:
         return out
     cuda = src_RX.device.type == "cuda"
-    block_x = min(next_power_of_2(X), 32 if cuda else 16)  # [128, 32] fp32: no spills
+    block_x = min(next_power_of_2(X), SEGMENT_COLUMNS if cuda else 16)
     quantize_segments_kernel[(num_blocks, cdiv(X, block_x))](
         src_RX,
         index_R,
@@ -219,7 +223,7 @@ def quantize_segments(
         BLOCK_X=block_x,
         TILE=TILE,
         QUANTIZE_ALONG_ROWS=quantize_along_rows,
-        num_warps=4 if cuda else 1,
+        num_warps=SEGMENT_WARPS if cuda else 1,
     )
     return out
 
