@@ -13,7 +13,8 @@ each as the bf16 Triton kernel with its own config, then the Triton FP8 kernel f
 :data:`GEMM_CANDIDATES` / :data:`WGRAD_CANDIDATES` (the first is its default,
 :mod:`megamoe.backends.triton_fp8.configs`), then, on Hopper, the warp-specialised Gluon GEMM the
 backend runs there (``fp8-wgmma``; for gemm1 the quantised rows gathered first, that gather timed with
-it); then the quantisers and the quantised rows' gather (alone with ``--passes-only``). Operands are
+it); then the quantisers (the along-R one in each tile of :data:`SEGMENT_TILES`) and the quantised
+rows' gather (alone with ``--passes-only``). Operands are
 quantised once, outside the timing. ``max rel`` compares each output with the default config's (0 up to fp32
 summation order). A candidate that fails to compile or run is reported and the others go on.
 Prints a markdown table (``bf16/FP8`` = bf16 ms / FP8 ms, above 1: FP8 faster) and writes JSON.
@@ -37,6 +38,7 @@ from megamoe.backends.triton.wgrad import grouped_wgrad
 from megamoe.backends.triton_fp8.configs import GPU_WGMMA, GPU_WGMMA_WGRAD, gemm_config, wgrad_config
 from megamoe.backends.triton_fp8.grouped_gemm import fp8_grouped_gemm
 from megamoe.backends.triton_fp8.quantize import (
+    SEGMENT_TILE,
     empty_weight,
     gather_rows,
     quantize_rows,
@@ -72,6 +74,8 @@ WGRAD_CANDIDATES: list[dict[str, int]] = [
     {"block_n": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 3},
 ]
 """TileConfig fields replaced in the FP8 wgrad's default tile."""
+SEGMENT_TILES: list[tuple[int, int]] = [SEGMENT_TILE, (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8)]
+"""(columns, warps) of the along-R quantiser's programs, the first its default."""
 
 
 def main() -> None:
@@ -196,18 +200,26 @@ def main() -> None:
         ("quantize W1, both forms", 4 * w1.numel(), lambda: quantize_weight_both(w1, qw1, qw1_t)),
         ("gather_rows(q(x))", 2 * R * H, lambda: gather_rows(qx, plan.row_token_R)),
         ("quantize_rows(dh)", 3 * R * 2 * I, lambda: quantize_rows(dh, valid_rows_1=valid)),
-        (
-            "quantize_segments(dh)",
-            3 * R * 2 * I,
-            lambda: quantize_segments(dh, plan.expert_start_G1, block_start, num_blocks),
+        *(
+            (
+                f"quantize_segments(dh), {tile[0]} columns x {tile[1]} warps",
+                3 * R * 2 * I,
+                lambda tile=tile: quantize_segments(
+                    dh, plan.expert_start_G1, block_start, num_blocks, tile=tile
+                ),
+            )
+            for tile in SEGMENT_TILES
         ),
         ("swiglu_quant(h)", 5 * R * I, lambda: swiglu_quant(h, valid)),
-        (
-            "quantize_segments(x, gathered)",
-            3 * R * H,
-            lambda: quantize_segments(
-                x, plan.expert_start_G1, block_start, num_blocks, index_R=plan.row_token_R
-            ),
+        *(
+            (
+                f"quantize_segments(x, gathered), {tile[0]} columns x {tile[1]} warps",
+                3 * R * H,
+                lambda tile=tile: quantize_segments(
+                    x, plan.expert_start_G1, block_start, num_blocks, index_R=plan.row_token_R, tile=tile
+                ),
+            )
+            for tile in SEGMENT_TILES
         ),
     ]:
         row = _row(name, "fp8", {}, 0.0, fn)

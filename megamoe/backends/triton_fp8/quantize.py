@@ -40,9 +40,9 @@ from megamoe.backends.triton_fp8.fp8_math import (
 )
 from megamoe.quant.fp8 import FP8Tensor
 
-SEGMENT_COLUMNS = 32
-"""columns a program of :func:`quantize_segments` quantises on a GPU: a [128, 32] fp32 tile, no spills"""
-SEGMENT_WARPS = 4
+SEGMENT_TILE = (32, 4)
+"""(columns, warps) of a :func:`quantize_segments` program on a GPU: a [128, 32] fp32 tile, no spills
+(``python -m benchmarks.sweep_fp8_gemm --passes-only`` times the others)"""
 
 
 def empty_rows(rows: int, cols: int, device: torch.device) -> FP8Tensor:
@@ -189,10 +189,13 @@ def quantize_segments(
     *,
     index_R: Tensor | None = None,
     out: FP8Tensor | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> FP8Tensor:
     """The packed wgrad operand of ``src_RX`` (rows ``src_RX[index_R[r]]`` with ``index_R``: the fused
     dispatch gather): columns past ``128 block_start[G]`` are left unwritten and never read. Written
-    into ``out`` when given (an :func:`empty_segments`-shaped operand, e.g. from :func:`segments_in`)."""
+    into ``out`` when given (an :func:`empty_segments`-shaped operand, e.g. from :func:`segments_in`).
+    ``tile``: a program's (columns, warps), by default :data:`SEGMENT_TILE` on a GPU and 16 columns in
+    the interpreter; the bytes are the same for any."""
     check_rows(src_RX)
     X = src_RX.shape[1]
     G = row_start_G1.shape[0] - 1
@@ -200,7 +203,8 @@ def quantize_segments(
     if num_blocks == 0 or X == 0 or G == 0:
         return out
     cuda = src_RX.device.type == "cuda"
-    block_x = min(next_power_of_2(X), SEGMENT_COLUMNS if cuda else 16)
+    columns, warps = tile or (SEGMENT_TILE if cuda else (16, 1))
+    block_x = min(next_power_of_2(X), columns)
     quantize_segments_kernel[(num_blocks, cdiv(X, block_x))](
         src_RX,
         index_R,
@@ -223,7 +227,7 @@ def quantize_segments(
         BLOCK_X=block_x,
         TILE=TILE,
         QUANTIZE_ALONG_ROWS=quantize_along_rows,
-        num_warps=SEGMENT_WARPS if cuda else 1,
+        num_warps=warps,
     )
     return out
 

@@ -81,7 +81,8 @@ def test_packed_rows_hold_the_rowwise_bits_in_at_most_the_rows_width(cols: int, 
         unpack_rows(packed[:, :-1], cols)
 
 
-def test_segments_match_quantize_fp8_per_segment_bitwise() -> None:
+@pytest.mark.parametrize("tile", [None, (32, 4), (64, 8)])  # the default; columns past X in a program
+def test_segments_match_quantize_fp8_per_segment_bitwise(tile: tuple[int, int] | None) -> None:
     counts = [130, 0, 5, 128, 1]  # a tile and a bit, empty, short, exact, one row
     R, X = sum(counts), 40
     src = spread(R + 7, X, seed=3).to(DEVICE)
@@ -90,7 +91,7 @@ def test_segments_match_quantize_fp8_per_segment_bitwise() -> None:
     block_start = segment_block_starts(row_start)
     assert block_start.tolist() == [0, 2, 2, 3, 4, 5]
     num_blocks = -(-R // 128) + len(counts)
-    got = quantize_segments(src, row_start, block_start, num_blocks, index_R=index)
+    got = quantize_segments(src, row_start, block_start, num_blocks, index_R=index, tile=tile)
     rows = src[index]
     for g, (lo, hi) in enumerate(zip(row_start[:-1].tolist(), row_start[1:].tolist(), strict=True)):
         if lo == hi:
