@@ -41,8 +41,8 @@ def _inputs(seed: int, device: str) -> list[torch.Tensor]:
 def _one_rank(
     rank: int, world: int, dispatch: str, precision: str, graphs: bool, device: str = "cuda"
 ) -> dict[str, float]:
-    """SNR against the emulation per output, after one eager step; with ``graphs``, then a captured
-    step's replays on new inputs and routing against eager, bit for bit."""
+    """SNR against the emulation per output of one eager step; with ``graphs`` instead, after that step,
+    a captured step's replays on new inputs and routing against eager, bit for bit (and ``{}``)."""
     import os
 
     import torch.distributed as dist
@@ -72,11 +72,6 @@ def _one_rank(
 
     case = _inputs(0, device)
     got = ours(*case)
-    leaves = [t.detach().requires_grad_() for t in (case[0], case[2], w1, w2)]
-    y = fused_mega_moe(
-        *leaves[:1], case[1], *leaves[1:], group=group, backend="reference", precision=precision
-    )
-    want = (y, *torch.autograd.grad(y, leaves, case[3]))
     (ws,) = live_workspaces()
     assert ws.dispatch == dispatch and int(ws.state[0]) > 0  # the symmetric-memory transport ran
     if graphs:
@@ -90,6 +85,12 @@ def _one_rank(
             eager = ours(*fresh)
             for name, a, b in zip(GRADS, captured, eager, strict=True):
                 assert torch.equal(a, b), f"graph replay {seed}: {name} differs from eager"
+        return {}
+    leaves = [t.detach().requires_grad_() for t in (case[0], case[2], w1, w2)]
+    y = fused_mega_moe(
+        *leaves[:1], case[1], *leaves[1:], group=group, backend="reference", precision=precision
+    )
+    want = (y, *torch.autograd.grad(y, leaves, case[3]))
     return {n: snr_db(a.float(), b.float()) for n, a, b in zip(GRADS, got, want, strict=True)}
 
 
