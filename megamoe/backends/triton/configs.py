@@ -30,7 +30,7 @@ class TileConfig:
     block_m: int
     """rows of an output tile (the M-grouped GEMMs: the routing plan's ``block_m``)"""
     block_n: int
-    """columns of an output tile"""
+    """columns of an output tile (three times a power of two where a kernel computes it in two pieces)"""
     block_k: int
     """K depth of one pipeline stage"""
     group_m: int = 8
@@ -56,12 +56,19 @@ class TileConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidConfigError(f"TileConfig.{name}", value, "must be a positive integer")
-        for name in ("block_m", "block_n", "block_k", "num_warps"):
+        for name in ("block_m", "block_k", "num_warps"):
             value = getattr(self, name)
             if value & (value - 1):
                 raise InvalidConfigError(
                     f"TileConfig.{name}", value, "must be a power of two (Triton's tile and warp counts)"
                 )
+        odd = self.block_n // (self.block_n & -self.block_n)  # block_n without its factors of 2
+        if odd not in (1, 3):
+            raise InvalidConfigError(
+                "TileConfig.block_n",
+                self.block_n,
+                "must be a power of two, or three times one (a tile of two pieces: a power of two and its half)",
+            )
 
     def launch_kwargs(self) -> dict[str, int]:
         """The kernel launch's keywords: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M`` (constexprs),

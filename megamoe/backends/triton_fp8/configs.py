@@ -27,10 +27,11 @@ GPU_GEMM_TMA = TileConfig(
 )
 """M-grouped FP8 GEMM on CUDA whose rows are in order (TMA)."""
 GPU_WGMMA = TileConfig(
-    block_m=BLOCK_M_GPU, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=5, programs_per_sm=1
+    block_m=BLOCK_M_GPU, block_n=192, block_k=128, group_m=8, num_warps=4, num_stages=5, programs_per_sm=1
 )
-"""The warp-specialised M-grouped FP8 GEMM on Hopper (:mod:`.wgmma_gemm`): two 64-row consumer
-warpgroups and a producer warp, one program an SM (five 32 KB stages)."""
+"""The warp-specialised M-grouped FP8 GEMM on Hopper (:mod:`.wgmma_gemm`): 128 x 192 tiles (a 128- and
+a 64-column piece), two 64-row consumer warpgroups and a producer warp, one program an SM (five 40 KB
+stages)."""
 GPU_WGMMA_WGRAD = TileConfig(
     block_m=128, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1
 )

@@ -5,30 +5,37 @@ The product, operands, tile table and bits are those of
 :func:`megamoe.backends.triton_fp8.grouped_gemm.fp8_grouped_gemm` with ``a_rows=None``: the kernels'
 outputs are bit-identical (the GPU tests compare them). What differs is the schedule. ``tl.dot`` waits
 for its MMA before the scaled add that promotes the partial sum, so a Triton program's tensor-core work
-and its promotion alternate. Here a persistent program of ``128 x BLOCK_N`` tiles is three partitions:
+and its promotion alternate. Here a persistent program of ``128 x 192`` tiles is three partitions:
 
 * a producer warp that walks the program's steps (its tiles × their 128-deep K tiles, one flat loop) and
-  TMA-loads A ``[128, 128]`` and B ``[BLOCK_N, 128]`` into a ring of ``STAGES`` shared-memory stages,
-  with the step's 128 row scales and its weight block's scale beside them (asynchronous copies that the
-  stage's ``ready`` barrier also waits for), refilling a stage once both consumers released it
-  (``empty``, two arrivals);
+  TMA-loads A ``[128, 128]`` and the tile's two pieces of B, ``[128, 128]`` and ``[64, 128]``, into a
+  ring of ``STAGES`` shared-memory stages, with the step's 128 row scales and each piece's weight-block
+  scale beside them (asynchronous copies that the stage's ``ready`` barrier also waits for), refilling a
+  stage once both consumers released it (``empty``, two arrivals);
 * two consumer warpgroups, rows ``[0, 64)`` and ``[64, 128)`` of each tile, each one::
 
       for step i:
           wait ready[i % STAGES]
-          part_i = mma_async(A[i][rows], B[i])          # a fresh fp32 partial sum, 128 deep
-          wait until only part_i is in flight; release step i - 1's stage
-          acc += part_{i-1} * (sa[rows, kb] * sb[expert, n // 128, kb])[:, None]
-          if step i - 1 ended its tile: store acc, acc = 0
+          wide_i = mma_async(A[i][rows], B_wide[i])      # fresh fp32 partial sums, 128 deep
+          wait for narrow_{i-1}; release step i - 1's stage
+          acc_n += narrow_{i-1} * (sa * sb_n)[:, None]  # while wide_i runs
+          narrow_i = mma_async(A[i][rows], B_narrow[i])
+          wait for wide_i
+          acc_w += wide_i * (sa * sb_w)[:, None]        # while narrow_i runs
+          a piece whose step ended its tile is stored, its accumulator zeroed
 
-The consumers never wait for each other, and the tensor cores run one step while the CUDA cores
-promote the one before. A consumer reads its scales from the stage: loaded from global memory by the
-consumer itself, each step's next MMA waited for them (ptxas issues their product before it). Two
-partial sums and the accumulator, ``64 x BLOCK_N`` fp32 each, live in a consumer's registers; the loop
-runs two steps a trip so that the two partials alternate between two register sets (a loop-carried
-in-flight accumulator makes ptxas serialise every MMA; the sm_90a compile test checks it does not). A
-tile's coordinates are read from the tile table once per tile, not per step. Rows past a segment's end
-are computed and never stored; the last K tile reads TMA's zero fill.
+The tile is as wide as the registers allow: each operand byte read from L2 feeds more MMA work than at
+``128 x 128``, where these kernels are bound by L2 bandwidth (``ncu``: L2 at 70–83 % of its peak, the
+tensor pipes at about 60 %). A piece is a power of two wide (a tensor's shape must be), and the wide
+piece starts on a multiple of 128 (first in even column tiles, second in odd ones), so each piece lies
+in one weight block and is promoted by one scale per row. The consumers never wait for each other, and
+the tensor cores run one piece while the CUDA cores promote the other. A consumer reads its scales from
+the stage, each step's MMA waited for them. The accumulators (``64 x 192`` fp32) and the two partial
+sums (``64 x 128`` and ``64 x 64``) live in a consumer's registers; the loop runs two steps a trip so
+that the narrow partial, in flight from one step into the next, is not copied into a loop-carried
+register set (ptxas then serialises every MMA; the sm_90a compile test checks it does not). A tile's
+coordinates are read from the tile table once per tile, not per step. Rows past a segment's end and
+columns past N are computed and never stored; the last K tile reads TMA's zero fill.
 """
 
 from __future__ import annotations
@@ -58,11 +65,30 @@ from megamoe.quant.fp8 import FP8Tensor
 
 MIN_TRITON = (3, 6)  # the Gluon API this is written against
 CONSUMER_REGS = 232  # per thread of each consumer warpgroup (the producer warp's group gets 40)
+# A tile's 192 columns are two pieces, 128 and 64 wide: a tensor's width is a power of 2.
+WIDE = gl.constexpr(128)
+NARROW = gl.constexpr(64)
+BLOCK_N = gl.constexpr(WIDE.value + NARROW.value)
 _TRITON_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= MIN_TRITON
 
 
 @gluon.jit
-def _schedule(num_tiles_ptr, N, K, num_programs, BLOCK_N: gl.constexpr):
+def piece_columns(pid_n):
+    """First columns of the wide (128) and narrow (64) pieces of column tile ``pid_n``: the wide piece
+    starts on a multiple of 128, so each piece lies inside one 128-column weight block."""
+    odd = pid_n % 2
+    n0 = pid_n * BLOCK_N
+    return n0 + NARROW * odd, n0 + WIDE * (1 - odd)
+
+
+@gluon.constexpr_function
+def mma_layout(width):
+    """The accumulator layout of one consumer warpgroup's ``64 x width`` MMA."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, width, 32])
+
+
+@gluon.jit
+def _schedule(num_tiles_ptr, N, K, num_programs):
     """``(m tiles, n tiles, this program's tiles, its steps)``."""
     num_m = gl.load(num_tiles_ptr)
     num_n = gl.cdiv(N, BLOCK_N)
@@ -71,12 +97,12 @@ def _schedule(num_tiles_ptr, N, K, num_programs, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _advance(coords, sched, tiles_ptr, K, num_programs, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """The coordinates ``(k tile, t, expert, first row, row end, first column)`` of the step after
+def _advance(coords, sched, tiles_ptr, K, num_programs, GROUP_M: gl.constexpr):
+    """The coordinates ``(k tile, t, expert, first row, row end, column tile)`` of the step after
     ``coords`` (step ``kb`` of this program's ``t``-th tile): the next K tile, or the next tile's first
     (its table entry read only then, so a step costs no division). Past the last tile the table reads
     are masked: expert and rows are zeros."""
-    kb, t, expert, r0, r_end, n0 = coords
+    kb, t, expert, r0, r_end, pid_n = coords
     kb += 1
     if kb == gl.cdiv(K, 128):
         num_m, num_n, num_tiles, _ = sched
@@ -87,8 +113,7 @@ def _advance(coords, sched, tiles_ptr, K, num_programs, BLOCK_N: gl.constexpr, G
         expert = gl.load(tiles_ptr + 3 * pid_m, mask=live, other=0)
         r0 = gl.load(tiles_ptr + 3 * pid_m + 1, mask=live, other=0)
         r_end = gl.load(tiles_ptr + 3 * pid_m + 2, mask=live, other=0)
-        n0 = pid_n * BLOCK_N
-    return kb, t, expert, r0, r_end, n0
+    return kb, t, expert, r0, r_end, pid_n
 
 
 @gluon.jit
@@ -100,9 +125,11 @@ def _before_first_step(K):
 @gluon.jit
 def _producer(
     a_desc,
-    b_desc,
+    bw_desc,
+    bn_desc,
     a_bufs,
-    b_bufs,
+    bw_bufs,
+    bn_bufs,
     sa_bufs,
     sb_bufs,
     ready,
@@ -120,19 +147,21 @@ def _producer(
     stride_bs_n,
     stride_bs_k,
     num_programs,
-    BLOCK_N: gl.constexpr,
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
 ):
     """One warp: the loads of every step into the ring, a stage refilled once both consumers released
     it. B is viewed as rows of K: an expert's N rows start at ``expert * b_rows``. A stage's scales:
-    the rows' in two 64-row halves (zeros past the segment), the weight block's repeated 64 times."""
-    sched = _schedule(num_tiles_ptr, N, K, num_programs, BLOCK_N)
+    the rows' in two 64-row halves (zeros past the segment), each piece's weight block's repeated 64
+    times (zeros past N)."""
+    sched = _schedule(num_tiles_ptr, N, K, num_programs)
     coords = _before_first_step(K)
     lanes = gl.arange(0, 64, layout=gl.BlockedLayout([2], [32], [1], [0]))
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + bw_desc.block_type.nbytes + bn_desc.block_type.nbytes
     for i in range(sched[3]):
-        coords = _advance(coords, sched, tiles_ptr, K, num_programs, BLOCK_N, GROUP_M)
-        kb, _, expert, r0, r_end, n0 = coords
+        coords = _advance(coords, sched, tiles_ptr, K, num_programs, GROUP_M)
+        kb, _, expert, r0, r_end, pid_n = coords
+        nw, nn = piece_columns(pid_n)
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes at once
         bar = ready.index(stage)
@@ -140,18 +169,25 @@ def _producer(
             rows = r0 + 64 * half + lanes
             src = a_scale_ptr + rows.to(gl.int64) * stride_as_r + kb * stride_as_k
             async_copy.async_copy_global_to_shared(sa_bufs.index(2 * stage + half), src, mask=rows < r_end)
-        sb_at = expert.to(gl.int64) * stride_bs_g + (n0 // 128) * stride_bs_n + kb * stride_bs_k
-        async_copy.async_copy_global_to_shared(sb_bufs.index(stage), b_scale_ptr + sb_at + lanes * 0)
+        b_at = b_scale_ptr + expert.to(gl.int64) * stride_bs_g + kb * stride_bs_k + lanes * 0
+        async_copy.async_copy_global_to_shared(
+            sb_bufs.index(2 * stage), b_at + (nw // 128) * stride_bs_n, mask=nw + lanes * 0 < N
+        )
+        async_copy.async_copy_global_to_shared(
+            sb_bufs.index(2 * stage + 1), b_at + (nn // 128) * stride_bs_n, mask=nn + lanes * 0 < N
+        )
         async_copy.mbarrier_arrive(bar)  # ready also waits for these copies
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        mbarrier.expect(bar, nbytes)
         tma.async_copy_global_to_shared(a_desc, [r0, kb * 128], bar, a_bufs.index(stage))
-        tma.async_copy_global_to_shared(b_desc, [expert * b_rows + n0, kb * 128], bar, b_bufs.index(stage))
+        tma.async_copy_global_to_shared(bw_desc, [expert * b_rows + nw, kb * 128], bar, bw_bufs.index(stage))
+        tma.async_copy_global_to_shared(bn_desc, [expert * b_rows + nn, kb * 128], bar, bn_bufs.index(stage))
 
 
 @gluon.jit
 def _consumer(
     a_bufs,
-    b_bufs,
+    bw_bufs,
+    bn_bufs,
     sa_bufs,
     sb_bufs,
     ready,
@@ -164,37 +200,86 @@ def _consumer(
     stride_c,
     num_programs,
     HALF: gl.constexpr,
-    BLOCK_N: gl.constexpr,
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
 ):
     """One warpgroup: rows ``[64 HALF, 64 HALF + 64)`` of every tile, MMAs and promotions."""
-    sched = _schedule(num_tiles_ptr, N, K, num_programs, BLOCK_N)
-    total = sched[3]
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
-    )
+    sched = _schedule(num_tiles_ptr, N, K, num_programs)
+    wide: gl.constexpr = mma_layout(WIDE)
+    narrow: gl.constexpr = mma_layout(NARROW)
+    zero_w = gl.zeros([64, WIDE], gl.float32, wide)
+    zero_n = gl.zeros([64, NARROW], gl.float32, narrow)
+    acc_w = gl.zeros([64, WIDE], gl.float32, wide)
+    acc_n = gl.zeros([64, NARROW], gl.float32, narrow)
     ctx = (sched, tiles_ptr, sa_bufs, sb_bufs, c_ptr, N, K, stride_c, num_programs)
-    zero = gl.zeros([64, BLOCK_N], gl.float32, mma)
-    acc = gl.zeros([64, BLOCK_N], gl.float32, mma)
-    coords = _before_first_step(K)  # of the step last issued to the tensor cores
-    # Two steps a trip, their partial sums in two register sets that alternate: a one-step loop would
-    # copy the in-flight partial into the loop-carried one, and ptxas then serialises every MMA.
-    p1 = warpgroup_mma_init(zero)
-    s1 = gl.zeros([64], gl.float32, gl.SliceLayout(1, mma))  # step -1: nothing to promote
+    prev = _before_first_step(K)  # coordinates of the step before the next
+    # Two steps a trip, their narrow partial sums (in flight from one step into the next) in two
+    # register sets that alternate: a one-step loop copies the in-flight partial into the loop-carried
+    # one, and ptxas then serialises every MMA.
+    p1 = warpgroup_mma_init(zero_n)  # step -1: nothing to promote
+    s1 = gl.zeros([64], gl.float32, gl.SliceLayout(1, narrow))
+    total = sched[3]
     for j in range(total // 2):
-        acc, p0, s0, coords = _step(2 * j, acc, p1, s1, coords, zero, a_bufs, b_bufs, ready, empty, ctx, HALF,
-                                    BLOCK_N, GROUP_M, STAGES)  # fmt: skip
-        acc, p1, s1, coords = _step(2 * j + 1, acc, p0, s0, coords, zero, a_bufs, b_bufs, ready, empty, ctx,
-                                    HALF, BLOCK_N, GROUP_M, STAGES)  # fmt: skip
+        acc_w, acc_n, p0, s0, prev = _step(2 * j, acc_w, acc_n, p1, s1, prev, zero_w, zero_n, a_bufs, bw_bufs,
+                                           bn_bufs, ready, empty, ctx, HALF, GROUP_M, STAGES)  # fmt: skip
+        acc_w, acc_n, p1, s1, prev = _step(2 * j + 1, acc_w, acc_n, p0, s0, prev, zero_w, zero_n, a_bufs,
+                                           bw_bufs, bn_bufs, ready, empty, ctx, HALF, GROUP_M, STAGES)  # fmt: skip
     if total % 2 == 1:
-        acc, p0, s0, coords = _step(total - 1, acc, p1, s1, coords, zero, a_bufs, b_bufs, ready, empty, ctx,
-                                    HALF, BLOCK_N, GROUP_M, STAGES)  # fmt: skip
-        part = warpgroup_mma_wait(0, deps=(p0,))
-        _promote(acc, part, s0, coords, c_ptr, N, K, stride_c, HALF, BLOCK_N)
+        acc_w, acc_n, p0, s0, prev = _step(total - 1, acc_w, acc_n, p1, s1, prev, zero_w, zero_n, a_bufs,
+                                           bw_bufs, bn_bufs, ready, empty, ctx, HALF, GROUP_M, STAGES)  # fmt: skip
+        last = warpgroup_mma_wait(0, deps=(p0,))
+        _promote(acc_n, last, s0, prev, piece_columns(prev[5])[1], c_ptr, N, K, stride_c, HALF)
     else:  # with no step at all, the promotion adds zeros and stores nothing
-        part = warpgroup_mma_wait(0, deps=(p1,))
-        _promote(acc, part, s1, coords, c_ptr, N, K, stride_c, HALF, BLOCK_N)
+        last = warpgroup_mma_wait(0, deps=(p1,))
+        _promote(acc_n, last, s1, prev, piece_columns(prev[5])[1], c_ptr, N, K, stride_c, HALF)
+
+
+@gluon.jit
+def _step(
+    i,
+    acc_w,
+    acc_n,
+    part_n,
+    scale_n,
+    prev,
+    zero_w,
+    zero_n,
+    a_bufs,
+    bw_bufs,
+    bn_bufs,
+    ready,
+    empty,
+    ctx,
+    HALF: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Step ``i``: issue its wide MMA; while that runs, release the stage step ``i - 1`` read and promote
+    that step's narrow partial sum (``part_n``, ``scale_n``; ``prev`` its coordinates); issue step
+    ``i``'s narrow MMA and promote its wide partial while that runs. Returns the accumulators, step
+    ``i``'s in-flight narrow partial, its scales and its coordinates."""
+    sched, tiles_ptr, sa_bufs, sb_bufs, c_ptr, N, K, stride_c, num_programs = ctx
+    cur = _advance(prev, sched, tiles_ptr, K, num_programs, GROUP_M)
+    stage = i % STAGES
+    mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+    a = a_bufs.index(stage).slice(64 * HALF, 64)
+    part_w = warpgroup_mma(a, bw_bufs.index(stage).permute((1, 0)), zero_w, use_acc=False, is_async=True)
+    scale_w = _scales(sa_bufs, sb_bufs, stage, 0, WIDE, HALF)
+    next_scale_n = _scales(sa_bufs, sb_bufs, stage, 1, NARROW, HALF)
+    done_n = warpgroup_mma_wait(1, deps=(part_n,))
+    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+    acc_n = _promote(acc_n, done_n, scale_n, prev, piece_columns(prev[5])[1], c_ptr, N, K, stride_c, HALF)
+    next_n = warpgroup_mma(a, bn_bufs.index(stage).permute((1, 0)), zero_n, use_acc=False, is_async=True)
+    done_w = warpgroup_mma_wait(1, deps=(part_w,))
+    acc_w = _promote(acc_w, done_w, scale_w, cur, piece_columns(cur[5])[0], c_ptr, N, K, stride_c, HALF)
+    return acc_w, acc_n, next_n, next_scale_n, cur
+
+
+@gluon.jit
+def _scales(sa_bufs, sb_bufs, stage, PIECE: gl.constexpr, WIDTH: gl.constexpr, HALF: gl.constexpr):
+    """A step's promotion factors for one piece: its rows' scales times the piece's weight-block scale."""
+    rows: gl.constexpr = gl.SliceLayout(1, mma_layout(WIDTH))
+    return sa_bufs.index(2 * stage + HALF).load(rows) * sb_bufs.index(2 * stage + PIECE).load(rows)
 
 
 @gluon.jit
@@ -221,7 +306,8 @@ def invalidate_ring(ready, empty, STAGES: gl.constexpr):
 @gluon.jit
 def _wgmma_fp8_gemm_kernel(
     a_desc,
-    b_desc,
+    bw_desc,
+    bn_desc,
     a_scale_ptr,
     b_scale_ptr,
     c_ptr,
@@ -237,29 +323,28 @@ def _wgmma_fp8_gemm_kernel(
     stride_bs_k,
     stride_c,
     num_programs,
-    BLOCK_N: gl.constexpr,
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
 ):
-    gl.static_assert(128 % BLOCK_N == 0, "a tile's columns share one weight scale")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, 128, 128], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, 128], b_desc.layout)
+    bw_bufs = gl.allocate_shared_memory(bw_desc.dtype, [STAGES, WIDE, 128], bw_desc.layout)
+    bn_bufs = gl.allocate_shared_memory(bn_desc.dtype, [STAGES, NARROW, 128], bn_desc.layout)
     scales: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     sa_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 64], scales)  # stage s: rows 2s, 2s + 1
-    sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 64], scales)
+    sb_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 64], scales)  # stage s: pieces 2s, 2s + 1
     ready, empty = ring_barriers(STAGES)
     # partition arguments go flat (a constexpr inside a tuple argument does not cross the fork)
     gl.warp_specialize(
         [
-            (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, tiles_ptr, num_tiles_ptr, c_ptr, N, K,
-                         stride_c, num_programs, gl.constexpr(0), BLOCK_N, GROUP_M, STAGES)),
-            (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, tiles_ptr, num_tiles_ptr, c_ptr, N, K,
-                         stride_c, num_programs, gl.constexpr(1), BLOCK_N, GROUP_M, STAGES)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, tiles_ptr, num_tiles_ptr,
-                         a_scale_ptr, b_scale_ptr, N, K, b_rows, stride_as_r, stride_as_k, stride_bs_g, stride_bs_n,
-                         stride_bs_k, num_programs, BLOCK_N, GROUP_M, STAGES)),
+            (_consumer, (a_bufs, bw_bufs, bn_bufs, sa_bufs, sb_bufs, ready, empty, tiles_ptr, num_tiles_ptr, c_ptr,
+                         N, K, stride_c, num_programs, gl.constexpr(0), GROUP_M, STAGES)),
+            (_consumer, (a_bufs, bw_bufs, bn_bufs, sa_bufs, sb_bufs, ready, empty, tiles_ptr, num_tiles_ptr, c_ptr,
+                         N, K, stride_c, num_programs, gl.constexpr(1), GROUP_M, STAGES)),
+            (_producer, (a_desc, bw_desc, bn_desc, a_bufs, bw_bufs, bn_bufs, sa_bufs, sb_bufs, ready, empty,
+                         tiles_ptr, num_tiles_ptr, a_scale_ptr, b_scale_ptr, N, K, b_rows, stride_as_r, stride_as_k,
+                         stride_bs_g, stride_bs_n, stride_bs_k, num_programs, GROUP_M, STAGES)),
         ],
         [4, 1],
         [CONSUMER_REGS, 40],
@@ -268,54 +353,26 @@ def _wgmma_fp8_gemm_kernel(
 
 
 @gluon.jit
-def _step(
-    i,
-    acc,
-    prev,
-    prev_scale,
-    coords,
-    zero,
-    a_bufs,
-    b_bufs,
-    ready,
-    empty,
-    ctx,
-    HALF: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr,
-):
-    """Issue step ``i``'s MMA, then, while it runs, release the stage step ``i - 1`` read and promote its
-    partial sum (``coords`` are step ``i - 1``'s). Returns the accumulator, step ``i``'s in-flight
-    partial sum, its scales and its coordinates."""
-    sched, tiles_ptr, sa_bufs, sb_bufs, c_ptr, N, K, stride_c, num_programs = ctx
-    stage = i % STAGES
-    mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-    sa = sa_bufs.index(2 * stage + HALF).load(prev_scale.type.layout)  # step i's scales, used a step later
-    sb = sb_bufs.index(stage).load(prev_scale.type.layout)
-    a = a_bufs.index(stage).slice(64 * HALF, 64)
-    cur = warpgroup_mma(a, b_bufs.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
-    part = warpgroup_mma_wait(1, deps=(prev,))
-    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-    acc = _promote(acc, part, prev_scale, coords, c_ptr, N, K, stride_c, HALF, BLOCK_N)
-    coords = _advance(coords, sched, tiles_ptr, K, num_programs, BLOCK_N, GROUP_M)
-    return acc, cur, sa * sb, coords
-
-
-@gluon.jit
-def _promote(acc, part, scale, coords, c_ptr, N, K, stride_c, HALF: gl.constexpr, BLOCK_N: gl.constexpr):
+def _promote(acc, part, scale, coords, n_first, c_ptr, N, K, stride_c, HALF: gl.constexpr):
     """``acc + part * scale``; where the step at ``coords`` ends its tile (and is a step: ``t >= 0``),
-    this warpgroup's rows of the tile are stored (those of its segment, columns below N) and the
-    accumulator restarts from zero."""
+    this warpgroup's rows of the piece starting at column ``n_first`` are stored (those of its segment,
+    columns below N) and the accumulator restarts from zero."""
     acc += part * scale[:, None]
-    kb, t, _, r0, r_end, n0 = coords
+    kb, t, _, r0, r_end, _ = coords
     if (t >= 0) & (kb == gl.cdiv(K, 128) - 1):
         rows = r0 + 64 * HALF + gl.arange(0, 64, layout=scale.type.layout)
-        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+        cols = n_first + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
         ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_c + cols[None, :]
         gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < r_end)[:, None] & (cols < N)[None, :])
         acc = gl.zeros_like(acc)
     return acc
+
+
+def descriptor(data: Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor of ``rows x 128`` E4M3 boxes of ``data`` (2-D, rows of K), in the shared layout
+    the MMA reads."""
+    layout = gl.NVMMASharedLayout.get_default_for([rows, TILE], gl.float8e4nv)
+    return TensorDescriptor.from_tensor(data, [rows, TILE], layout)
 
 
 def supported(device: torch.device) -> bool:
@@ -333,11 +390,10 @@ def wgmma_fp8_grouped_gemm(
     ``a [R, K]`` in 1×128 tiles and ``b [G, N, K]`` in 128×128 blocks (K a multiple of 16; ``b``'s rows
     contiguous, each expert's at any multiple of K: a range of a wider weight's rows), on a GPU where
     :func:`supported`."""
-    bn = config.block_n
-    if (config.block_m, config.block_k, config.num_warps) != (TILE, TILE, 4) or TILE % bn:
+    if (config.block_m, config.block_n, config.block_k, config.num_warps) != (TILE, BLOCK_N.value, TILE, 4):
         raise ValueError(
-            f"{config}: the tile must be 128 rows (two 64-row consumer warpgroups) by 128 deep, "
-            "BLOCK_N divide 128, num_warps 4 (one warpgroup a partition)"
+            f"{config}: the tile must be 128 rows (two 64-row consumer warpgroups) by {BLOCK_N.value} columns by "
+            "128 deep, num_warps 4 (one warpgroup a partition)"
         )
     if config.block_m != plan.block_m:
         raise ValueError(f"BLOCK_M={config.block_m} must equal the plan's block_m={plan.block_m}")
@@ -351,15 +407,11 @@ def wgmma_fp8_grouped_gemm(
     if g_stride % K or n_stride != K or k_stride != 1:
         raise ValueError(f"b's strides {b.data.stride()}: each expert's [N, K] rows must be contiguous")
     b_rows = g_stride // K
-    a_layout = gl.NVMMASharedLayout.get_default_for([TILE, TILE], gl.float8e4nv)
-    b_layout = gl.NVMMASharedLayout.get_default_for([bn, TILE], gl.float8e4nv)
-    a_desc = TensorDescriptor.from_tensor(a.data, [TILE, TILE], a_layout)
     b_2d = b.data.as_strided(((G - 1) * b_rows + N if G else 0, K), (K, 1))  # expert g's from row g b_rows
-    b_desc = TensorDescriptor.from_tensor(b_2d, [bn, TILE], b_layout)
-    grid = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * cdiv(N, bn)))
+    grid = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * cdiv(N, BLOCK_N.value)))
     _wgmma_fp8_gemm_kernel[(grid,)](
-        a_desc, b_desc, a.scale, b.scale, out, plan.tiles_X3, plan.num_tiles_1, N, K, b_rows, a.scale.stride(0),
-        a.scale.stride(1), b.scale.stride(0), b.scale.stride(1), b.scale.stride(2), out.stride(0), grid,
-        BLOCK_N=bn, GROUP_M=config.group_m, STAGES=config.num_stages, CONSUMER_REGS=CONSUMER_REGS,
-        num_warps=4,
+        descriptor(a.data, TILE), descriptor(b_2d, WIDE.value), descriptor(b_2d, NARROW.value), a.scale, b.scale, out,
+        plan.tiles_X3, plan.num_tiles_1, N, K, b_rows, a.scale.stride(0), a.scale.stride(1), b.scale.stride(0),
+        b.scale.stride(1), b.scale.stride(2), out.stride(0), grid, GROUP_M=config.group_m,
+        STAGES=config.num_stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
     )  # fmt: skip

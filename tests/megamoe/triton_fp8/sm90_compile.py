@@ -52,19 +52,23 @@ def _gemm(*, gather: bool, rows: int, N: int, K: int, out: str) -> tuple:
 def _wgmma_gemm(*, N: int, K: int, out: str, b_rows: int | None = None) -> tuple:
     """wgmma_gemm.wgmma_fp8_grouped_gemm: A ``[R, K]`` gathered or quantised in row order (scales
     ``[KB, R]`` storage), B viewed as rows of K, an expert's every ``b_rows`` (N: the whole weight), both
-    with the kernel's NVMMA shared layouts."""
+    with the kernel's NVMMA shared layouts (B in a wide and a narrow piece)."""
     cfg = GPU_WGMMA
     kb, nb = -(-K // TILE), -(-N // TILE)
-    a_layout = repr(gl.NVMMASharedLayout.get_default_for([cfg.block_m, TILE], gl.float8e4nv))
-    b_layout = repr(gl.NVMMASharedLayout.get_default_for([cfg.block_n, TILE], gl.float8e4nv))
     args = dict(
-        a_desc=f"tensordesc<fp8e4nv[{cfg.block_m},{TILE}],{a_layout}>",
-        b_desc=f"tensordesc<fp8e4nv[{cfg.block_n},{TILE}],{b_layout}>", a_scale_ptr="*fp32", b_scale_ptr="*fp32",
-        c_ptr=out, tiles_ptr="*i32", num_tiles_ptr="*i32", N=N, K=K, b_rows=b_rows or N, stride_as_r=1, stride_as_k=R,
-        stride_bs_g=nb * kb, stride_bs_n=kb, stride_bs_k=1, stride_c=N, num_programs=NUM_SMS * cfg.programs_per_sm,
-        BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, CONSUMER_REGS=wgmma_gemm.CONSUMER_REGS,
+        a_desc=_desc(TILE), bw_desc=_desc(wgmma_gemm.WIDE.value), bn_desc=_desc(wgmma_gemm.NARROW.value),
+        a_scale_ptr="*fp32", b_scale_ptr="*fp32", c_ptr=out, tiles_ptr="*i32", num_tiles_ptr="*i32", N=N, K=K,
+        b_rows=b_rows or N, stride_as_r=1, stride_as_k=R, stride_bs_g=nb * kb, stride_bs_n=kb, stride_bs_k=1,
+        stride_c=N, num_programs=NUM_SMS * cfg.programs_per_sm, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+        CONSUMER_REGS=wgmma_gemm.CONSUMER_REGS,
     )  # fmt: skip
     return wgmma_gemm._wgmma_fp8_gemm_kernel, args, {"num_warps": cfg.num_warps}
+
+
+def _desc(rows: int) -> str:
+    """The type of a TMA descriptor of ``rows x 128`` E4M3 boxes in the shared layout the MMA reads."""
+    layout = repr(gl.NVMMASharedLayout.get_default_for([rows, TILE], gl.float8e4nv))
+    return f"tensordesc<fp8e4nv[{rows},{TILE}],{layout}>"
 
 
 def _wgrad(M: int, N: int) -> tuple:
