@@ -1,5 +1,5 @@
 """The M-grouped blockwise-FP8 GEMM of rows in expert order, in Gluon for Hopper: warp-specialised, each
-128-deep MMA running while the previous one's partial sum is promoted.
+128-deep MMA running while the partial sum of the one before it is promoted.
 
 The product, operands, tile table and bits are those of
 :func:`megamoe.backends.triton_fp8.grouped_gemm.fp8_grouped_gemm` with ``a_rows=None``: the kernels'
@@ -24,11 +24,11 @@ and its promotion alternate. Here a persistent program of ``128 x 192`` tiles is
           acc_w += wide_i * (sa * sb_w)[:, None]        # while narrow_i runs
           a piece whose step ended its tile is stored, its accumulator zeroed
 
-The tile is as wide as the registers allow: each operand byte read from L2 feeds more MMA work than at
-``128 x 128``, where these kernels are bound by L2 bandwidth (``ncu``: L2 at 70–83 % of its peak, the
-tensor pipes at about 60 %). A piece is a power of two wide (a tensor's shape must be), and the wide
-piece starts on a multiple of 128 (first in even column tiles, second in odd ones), so each piece lies
-in one weight block and is promoted by one scale per row. The consumers never wait for each other, and
+The tile is as wide as the registers allow, so that each operand byte read from L2 (the busiest unit
+under ``ncu``) feeds more MMA work than at ``128 x 128`` (docs/history/kernels.md). A piece is a power
+of two wide (a tensor's shape must be), and the wide piece starts on a multiple of 128 (first in even
+column tiles, second in odd ones), so each piece lies in one weight block and is promoted by one scale
+per row. The consumers never wait for each other, and
 the tensor cores run one piece while the CUDA cores promote the other. A consumer reads its scales from
 the stage, each step's MMA waited for them. The accumulators (``64 x 192`` fp32) and the two partial
 sums (``64 x 128`` and ``64 x 64``) live in a consumer's registers; the loop runs two steps a trip so
