@@ -28,9 +28,8 @@ The tile is as wide as the registers allow, so that each operand byte read from 
 under ``ncu``) feeds more MMA work than at ``128 x 128`` (docs/history/kernels.md). A piece is a power
 of two wide (a tensor's shape must be), and the wide piece starts on a multiple of 128 (first in even
 column tiles, second in odd ones), so each piece lies in one weight block and is promoted by one scale
-per row. The consumers never wait for each other, and
-the tensor cores run one piece while the CUDA cores promote the other. A consumer reads its scales from
-the stage, each step's MMA waited for them. The accumulators (``64 x 192`` fp32) and the two partial
+per row. The consumers never wait for each other, and the tensor cores run one piece while the CUDA
+cores promote the other. A consumer reads its scales from the stage, each step's MMA waited for them. The accumulators (``64 x 192`` fp32) and the two partial
 sums (``64 x 128`` and ``64 x 64``) live in a consumer's registers; the loop runs two steps a trip so
 that the narrow partial, in flight from one step into the next, is not copied into a loop-carried
 register set (ptxas then serialises every MMA; the sm_90a compile test checks it does not). A tile's
@@ -73,7 +72,7 @@ _TRITON_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= MIN_TRI
 
 
 @gluon.jit
-def piece_columns(pid_n):
+def _piece_columns(pid_n):
     """First columns of the wide (128) and narrow (64) pieces of column tile ``pid_n``: the wide piece
     starts on a multiple of 128, so each piece lies inside one 128-column weight block."""
     odd = pid_n % 2
@@ -82,7 +81,7 @@ def piece_columns(pid_n):
 
 
 @gluon.constexpr_function
-def mma_layout(width):
+def _mma_layout(width):
     """The accumulator layout of one consumer warpgroup's ``64 x width`` MMA."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, width, 32])
 
@@ -161,7 +160,7 @@ def _producer(
     for i in range(sched[3]):
         coords = _advance(coords, sched, tiles_ptr, K, num_programs, GROUP_M)
         kb, _, expert, r0, r_end, pid_n = coords
-        nw, nn = piece_columns(pid_n)
+        nw, nn = _piece_columns(pid_n)
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes at once
         bar = ready.index(stage)
@@ -205,8 +204,8 @@ def _consumer(
 ):
     """One warpgroup: rows ``[64 HALF, 64 HALF + 64)`` of every tile, MMAs and promotions."""
     sched = _schedule(num_tiles_ptr, N, K, num_programs)
-    wide: gl.constexpr = mma_layout(WIDE)
-    narrow: gl.constexpr = mma_layout(NARROW)
+    wide: gl.constexpr = _mma_layout(WIDE)
+    narrow: gl.constexpr = _mma_layout(NARROW)
     zero_w = gl.zeros([64, WIDE], gl.float32, wide)
     zero_n = gl.zeros([64, NARROW], gl.float32, narrow)
     acc_w = gl.zeros([64, WIDE], gl.float32, wide)
@@ -228,10 +227,10 @@ def _consumer(
         acc_w, acc_n, p0, s0, prev = _step(total - 1, acc_w, acc_n, p1, s1, prev, zero_w, zero_n, a_bufs,
                                            bw_bufs, bn_bufs, ready, empty, ctx, HALF, GROUP_M, STAGES)  # fmt: skip
         last = warpgroup_mma_wait(0, deps=(p0,))
-        _promote(acc_n, last, s0, prev, piece_columns(prev[5])[1], c_ptr, N, K, stride_c, HALF)
+        _promote(acc_n, last, s0, prev, _piece_columns(prev[5])[1], c_ptr, N, K, stride_c, HALF)
     else:  # with no step at all, the promotion adds zeros and stores nothing
         last = warpgroup_mma_wait(0, deps=(p1,))
-        _promote(acc_n, last, s1, prev, piece_columns(prev[5])[1], c_ptr, N, K, stride_c, HALF)
+        _promote(acc_n, last, s1, prev, _piece_columns(prev[5])[1], c_ptr, N, K, stride_c, HALF)
 
 
 @gluon.jit
@@ -268,17 +267,17 @@ def _step(
     next_scale_n = _scales(sa_bufs, sb_bufs, stage, 1, NARROW, HALF)
     done_n = warpgroup_mma_wait(1, deps=(part_n,))
     mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-    acc_n = _promote(acc_n, done_n, scale_n, prev, piece_columns(prev[5])[1], c_ptr, N, K, stride_c, HALF)
+    acc_n = _promote(acc_n, done_n, scale_n, prev, _piece_columns(prev[5])[1], c_ptr, N, K, stride_c, HALF)
     next_n = warpgroup_mma(a, bn_bufs.index(stage).permute((1, 0)), zero_n, use_acc=False, is_async=True)
     done_w = warpgroup_mma_wait(1, deps=(part_w,))
-    acc_w = _promote(acc_w, done_w, scale_w, cur, piece_columns(cur[5])[0], c_ptr, N, K, stride_c, HALF)
+    acc_w = _promote(acc_w, done_w, scale_w, cur, _piece_columns(cur[5])[0], c_ptr, N, K, stride_c, HALF)
     return acc_w, acc_n, next_n, next_scale_n, cur
 
 
 @gluon.jit
 def _scales(sa_bufs, sb_bufs, stage, PIECE: gl.constexpr, WIDTH: gl.constexpr, HALF: gl.constexpr):
     """A step's promotion factors for one piece: its rows' scales times the piece's weight-block scale."""
-    rows: gl.constexpr = gl.SliceLayout(1, mma_layout(WIDTH))
+    rows: gl.constexpr = gl.SliceLayout(1, _mma_layout(WIDTH))
     return sa_bufs.index(2 * stage + HALF).load(rows) * sb_bufs.index(2 * stage + PIECE).load(rows)
 
 
@@ -368,7 +367,7 @@ def _promote(acc, part, scale, coords, n_first, c_ptr, N, K, stride_c, HALF: gl.
     return acc
 
 
-def descriptor(data: Tensor, rows: int) -> TensorDescriptor:
+def _descriptor(data: Tensor, rows: int) -> TensorDescriptor:
     """A TMA descriptor of ``rows x 128`` E4M3 boxes of ``data`` (2-D, rows of K), in the shared layout
     the MMA reads."""
     layout = gl.NVMMASharedLayout.get_default_for([rows, TILE], gl.float8e4nv)
@@ -410,7 +409,7 @@ def wgmma_fp8_grouped_gemm(
     b_2d = b.data.as_strided(((G - 1) * b_rows + N if G else 0, K), (K, 1))  # expert g's from row g b_rows
     grid = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * cdiv(N, BLOCK_N.value)))
     _wgmma_fp8_gemm_kernel[(grid,)](
-        descriptor(a.data, TILE), descriptor(b_2d, WIDE.value), descriptor(b_2d, NARROW.value), a.scale, b.scale, out,
+        _descriptor(a.data, TILE), _descriptor(b_2d, WIDE.value), _descriptor(b_2d, NARROW.value), a.scale, b.scale, out,
         plan.tiles_X3, plan.num_tiles_1, N, K, b_rows, a.scale.stride(0), a.scale.stride(1), b.scale.stride(0),
         b.scale.stride(1), b.scale.stride(2), out.stride(0), grid, GROUP_M=config.group_m,
         STAGES=config.num_stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
