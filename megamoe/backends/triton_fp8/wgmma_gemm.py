@@ -367,7 +367,7 @@ def _promote(acc, part, scale, coords, n_first, c_ptr, N, K, stride_c, HALF: gl.
     return acc
 
 
-def _descriptor(data: Tensor, rows: int) -> TensorDescriptor:
+def descriptor(data: Tensor, rows: int) -> TensorDescriptor:
     """A TMA descriptor of ``rows x 128`` E4M3 boxes of ``data`` (2-D, rows of K), in the shared layout
     the MMA reads."""
     layout = gl.NVMMASharedLayout.get_default_for([rows, TILE], gl.float8e4nv)
@@ -409,7 +409,7 @@ def wgmma_fp8_grouped_gemm(
     b_2d = b.data.as_strided(((G - 1) * b_rows + N if G else 0, K), (K, 1))  # expert g's from row g b_rows
     grid = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * cdiv(N, BLOCK_N.value)))
     _wgmma_fp8_gemm_kernel[(grid,)](
-        _descriptor(a.data, TILE), _descriptor(b_2d, WIDE.value), _descriptor(b_2d, NARROW.value), a.scale, b.scale, out,
+        descriptor(a.data, TILE), descriptor(b_2d, WIDE.value), descriptor(b_2d, NARROW.value), a.scale, b.scale, out,
         plan.tiles_X3, plan.num_tiles_1, N, K, b_rows, a.scale.stride(0), a.scale.stride(1), b.scale.stride(0),
         b.scale.stride(1), b.scale.stride(2), out.stride(0), grid, GROUP_M=config.group_m,
         STAGES=config.num_stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,

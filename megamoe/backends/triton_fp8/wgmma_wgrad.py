@@ -34,12 +34,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton_fp8.fp8_math import TILE
-from megamoe.backends.triton_fp8.wgmma_gemm import invalidate_ring, ring_barriers
+from megamoe.backends.triton_fp8.wgmma_gemm import descriptor, invalidate_ring, ring_barriers
 from megamoe.backends.triton_fp8.wgrad import check_operands
 from megamoe.backends.triton_mx.mx_math import swizzle
 from megamoe.quant.fp8 import FP8Tensor
@@ -229,10 +228,7 @@ def wgmma_fp8_wgrad(
     G, M, N = check_operands(p, q, out_GMN)
     if G == 0 or M == 0 or N == 0:
         return
-    p_layout = gl.NVMMASharedLayout.get_default_for([TILE, TILE], gl.float8e4nv)
-    q_layout = gl.NVMMASharedLayout.get_default_for([bn, TILE], gl.float8e4nv)
-    p_desc = TensorDescriptor.from_tensor(p.data, [TILE, TILE], p_layout)
-    q_desc = TensorDescriptor.from_tensor(q.data, [bn, TILE], q_layout)
+    p_desc, q_desc = descriptor(p.data, TILE), descriptor(q.data, bn)
     grid = max(1, min(num_sms * config.programs_per_sm, G * cdiv(M, TILE) * cdiv(N, bn)))
     _wgmma_fp8_wgrad_kernel[(grid,)](
         p_desc, q_desc, p.scale, q.scale, out_GMN, block_start_G1, G, M, N, p.scale.stride(0), p.scale.stride(1),

@@ -86,11 +86,8 @@ def _wgrad(M: int, N: int) -> tuple:
 def _wgmma_wgrad(M: int, N: int) -> tuple:
     """wgmma_wgrad.wgmma_fp8_wgrad: packed along-R operands with the kernel's NVMMA shared layouts."""
     cfg = GPU_WGMMA_WGRAD
-    p_layout = repr(gl.NVMMASharedLayout.get_default_for([TILE, TILE], gl.float8e4nv))
-    q_layout = repr(gl.NVMMASharedLayout.get_default_for([cfg.block_n, TILE], gl.float8e4nv))
     args = dict(
-        p_desc=f"tensordesc<fp8e4nv[{TILE},{TILE}],{p_layout}>",
-        q_desc=f"tensordesc<fp8e4nv[{cfg.block_n},{TILE}],{q_layout}>", p_scale_ptr="*fp32", q_scale_ptr="*fp32",
+        p_desc=_desc(TILE), q_desc=_desc(cfg.block_n), p_scale_ptr="*fp32", q_scale_ptr="*fp32",
         out_ptr="*bf16", block_start_ptr="*i32", G=G, M=M, N=N, stride_ps_m=1, stride_ps_b=M, stride_qs_n=1,
         stride_qs_b=N, stride_out_g=M * N, stride_out_m=N, num_programs=NUM_SMS * cfg.programs_per_sm,
         BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
