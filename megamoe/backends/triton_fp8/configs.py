@@ -31,7 +31,7 @@ GPU_WGMMA = TileConfig(
 )
 """The warp-specialised M-grouped FP8 GEMM on Hopper (:mod:`.wgmma_gemm`): 128 x 192 tiles (a 128- and
 a 64-column piece), two 64-row consumer warpgroups and a producer warp, one program an SM (five 40 KB
-stages)."""
+stages; four beside a bf16 output's staging buffers)."""
 GPU_WGMMA_WGRAD = TileConfig(
     block_m=128, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1
 )

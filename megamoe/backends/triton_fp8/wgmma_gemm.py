@@ -22,7 +22,9 @@ and its promotion alternate. Here a persistent program of ``128 x 192`` tiles is
           narrow_i = mma_async(A[i][rows], B_narrow[i])
           wait for wide_i
           acc_w += wide_i * (sa * sb_w)[:, None]        # while narrow_i runs
-          a piece whose step ended its tile is stored, its accumulator zeroed
+          a piece whose step ended its tile is stored, its accumulator zeroed:
+              its 64 rows into a shared-memory buffer, which the TMA unit writes out
+              while the next MMAs run (rows at a segment's end: from registers)
 
 The tile is as wide as the registers allow, so that each operand byte read from L2 (the busiest unit
 under ``ncu``) feeds more MMA work than at ``128 x 128`` (docs/history/kernels.md). A piece is a power
@@ -34,7 +36,11 @@ sums (``64 x 128`` and ``64 x 64``) live in a consumer's registers; the loop run
 that the narrow partial, in flight from one step into the next, is not copied into a loop-carried
 register set (ptxas then serialises every MMA; the sm_90a compile test checks it does not). A tile's
 coordinates are read from the tile table once per tile, not per step. Rows past a segment's end and
-columns past N are computed and never stored; the last K tile reads TMA's zero fill.
+columns past N are computed and never stored; the last K tile reads TMA's zero fill. A tile's store
+goes through shared memory and the TMA unit, so that the consumers go on to the next tile's MMAs while
+it is written (storing from the MMA's register layout, each warp instruction writes 16 bytes in each of
+8 rows, and the tensor cores waited for it); the two staging buffers take one stage's room (two for an
+fp32 output).
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ from megamoe.backends.triton_mx.mx_math import swizzle
 from megamoe.quant.fp8 import FP8Tensor
 
 MIN_TRITON = (3, 6)  # the Gluon API this is written against
+SHARED_MEMORY = 232448  # bytes of shared memory one program may take on Hopper (227 KB)
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 CONSUMER_REGS = 232  # per thread of each consumer warpgroup (the producer warp's group gets 40)
 # A tile's 192 columns are two pieces, 128 and 64 wide: a tensor's width is a power of 2.
 WIDE = gl.constexpr(128)
@@ -194,6 +202,10 @@ def _consumer(
     tiles_ptr,
     num_tiles_ptr,
     c_ptr,
+    cw_desc,
+    cn_desc,
+    cw_bufs,
+    cn_bufs,
     N,
     K,
     stride_c,
@@ -201,8 +213,10 @@ def _consumer(
     HALF: gl.constexpr,
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
+    STAGED: gl.constexpr,
 ):
-    """One warpgroup: rows ``[64 HALF, 64 HALF + 64)`` of every tile, MMAs and promotions."""
+    """One warpgroup: rows ``[64 HALF, 64 HALF + 64)`` of every tile, MMAs, promotions and stores (each
+    piece's through this warpgroup's staging buffer in ``cw_bufs`` or ``cn_bufs`` where ``STAGED``)."""
     sched = _schedule(num_tiles_ptr, N, K, num_programs)
     wide: gl.constexpr = _mma_layout(WIDE)
     narrow: gl.constexpr = _mma_layout(NARROW)
@@ -210,7 +224,13 @@ def _consumer(
     zero_n = gl.zeros([64, NARROW], gl.float32, narrow)
     acc_w = gl.zeros([64, WIDE], gl.float32, wide)
     acc_n = gl.zeros([64, NARROW], gl.float32, narrow)
-    ctx = (sched, tiles_ptr, sa_bufs, sb_bufs, c_ptr, N, K, stride_c, num_programs)
+    if STAGED:
+        out_w = (c_ptr, cw_desc, cw_bufs.index(HALF), N, stride_c)
+        out_n = (c_ptr, cn_desc, cn_bufs.index(HALF), N, stride_c)
+    else:
+        out_w = (c_ptr, cw_desc, None, N, stride_c)
+        out_n = (c_ptr, cn_desc, None, N, stride_c)
+    ctx = (sched, tiles_ptr, sa_bufs, sb_bufs, out_w, out_n, K, num_programs)
     prev = _before_first_step(K)  # coordinates of the step before the next
     # Two steps a trip, their narrow partial sums (in flight from one step into the next) in two
     # register sets that alternate: a one-step loop copies the in-flight partial into the loop-carried
@@ -220,17 +240,19 @@ def _consumer(
     total = sched[3]
     for j in range(total // 2):
         acc_w, acc_n, p0, s0, prev = _step(2 * j, acc_w, acc_n, p1, s1, prev, zero_w, zero_n, a_bufs, bw_bufs,
-                                           bn_bufs, ready, empty, ctx, HALF, GROUP_M, STAGES)  # fmt: skip
+                                           bn_bufs, ready, empty, ctx, HALF, GROUP_M, STAGES, STAGED)  # fmt: skip
         acc_w, acc_n, p1, s1, prev = _step(2 * j + 1, acc_w, acc_n, p0, s0, prev, zero_w, zero_n, a_bufs,
-                                           bw_bufs, bn_bufs, ready, empty, ctx, HALF, GROUP_M, STAGES)  # fmt: skip
+                                           bw_bufs, bn_bufs, ready, empty, ctx, HALF, GROUP_M, STAGES, STAGED)  # fmt: skip
     if total % 2 == 1:
         acc_w, acc_n, p0, s0, prev = _step(total - 1, acc_w, acc_n, p1, s1, prev, zero_w, zero_n, a_bufs,
-                                           bw_bufs, bn_bufs, ready, empty, ctx, HALF, GROUP_M, STAGES)  # fmt: skip
+                                           bw_bufs, bn_bufs, ready, empty, ctx, HALF, GROUP_M, STAGES, STAGED)  # fmt: skip
         last = warpgroup_mma_wait(0, deps=(p0,))
-        _promote(acc_n, last, s0, prev, _piece_columns(prev[5])[1], c_ptr, N, K, stride_c, HALF)
+        _promote(acc_n, last, s0, prev, _piece_columns(prev[5])[1], out_n, K, HALF, STAGED)
     else:  # with no step at all, the promotion adds zeros and stores nothing
         last = warpgroup_mma_wait(0, deps=(p1,))
-        _promote(acc_n, last, s1, prev, _piece_columns(prev[5])[1], c_ptr, N, K, stride_c, HALF)
+        _promote(acc_n, last, s1, prev, _piece_columns(prev[5])[1], out_n, K, HALF, STAGED)
+    if STAGED:
+        tma.store_wait(0)  # the last stores have read their buffers
 
 
 @gluon.jit
@@ -252,12 +274,13 @@ def _step(
     HALF: gl.constexpr,
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
+    STAGED: gl.constexpr,
 ):
     """Step ``i``: issue its wide MMA; while that runs, release the stage step ``i - 1`` read and promote
     that step's narrow partial sum (``part_n``, ``scale_n``; ``prev`` its coordinates); issue step
     ``i``'s narrow MMA and promote its wide partial while that runs. Returns the accumulators, step
     ``i``'s in-flight narrow partial, its scales and its coordinates."""
-    sched, tiles_ptr, sa_bufs, sb_bufs, c_ptr, N, K, stride_c, num_programs = ctx
+    sched, tiles_ptr, sa_bufs, sb_bufs, out_w, out_n, K, num_programs = ctx
     cur = _advance(prev, sched, tiles_ptr, K, num_programs, GROUP_M)
     stage = i % STAGES
     mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
@@ -267,10 +290,10 @@ def _step(
     next_scale_n = _scales(sa_bufs, sb_bufs, stage, 1, NARROW, HALF)
     done_n = warpgroup_mma_wait(1, deps=(part_n,))
     mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-    acc_n = _promote(acc_n, done_n, scale_n, prev, _piece_columns(prev[5])[1], c_ptr, N, K, stride_c, HALF)
+    acc_n = _promote(acc_n, done_n, scale_n, prev, _piece_columns(prev[5])[1], out_n, K, HALF, STAGED)
     next_n = warpgroup_mma(a, bn_bufs.index(stage).permute((1, 0)), zero_n, use_acc=False, is_async=True)
     done_w = warpgroup_mma_wait(1, deps=(part_w,))
-    acc_w = _promote(acc_w, done_w, scale_w, cur, _piece_columns(cur[5])[0], c_ptr, N, K, stride_c, HALF)
+    acc_w = _promote(acc_w, done_w, scale_w, cur, _piece_columns(cur[5])[0], out_w, K, HALF, STAGED)
     return acc_w, acc_n, next_n, next_scale_n, cur
 
 
@@ -310,6 +333,8 @@ def _wgmma_fp8_gemm_kernel(
     a_scale_ptr,
     b_scale_ptr,
     c_ptr,
+    cw_desc,
+    cn_desc,
     tiles_ptr,
     num_tiles_ptr,
     N,
@@ -325,6 +350,7 @@ def _wgmma_fp8_gemm_kernel(
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    STAGED: gl.constexpr,
 ):
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, 128, 128], a_desc.layout)
@@ -334,13 +360,21 @@ def _wgmma_fp8_gemm_kernel(
     sa_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 64], scales)  # stage s: rows 2s, 2s + 1
     sb_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 64], scales)  # stage s: pieces 2s, 2s + 1
     ready, empty = ring_barriers(STAGES)
+    if STAGED:  # consumer h's buffers: index h
+        cw_bufs = gl.allocate_shared_memory(cw_desc.dtype, [2, 64, WIDE], cw_desc.layout)
+        cn_bufs = gl.allocate_shared_memory(cn_desc.dtype, [2, 64, NARROW], cn_desc.layout)
+    else:  # an fp32 output is stored from registers: the consumers take the scales' ring, never read as this
+        cw_bufs = sb_bufs
+        cn_bufs = sb_bufs
     # partition arguments go flat (a constexpr inside a tuple argument does not cross the fork)
     gl.warp_specialize(
         [
             (_consumer, (a_bufs, bw_bufs, bn_bufs, sa_bufs, sb_bufs, ready, empty, tiles_ptr, num_tiles_ptr, c_ptr,
-                         N, K, stride_c, num_programs, gl.constexpr(0), GROUP_M, STAGES)),
+                         cw_desc, cn_desc, cw_bufs, cn_bufs, N, K, stride_c, num_programs,
+                         gl.constexpr(0), GROUP_M, STAGES, STAGED)),
             (_consumer, (a_bufs, bw_bufs, bn_bufs, sa_bufs, sb_bufs, ready, empty, tiles_ptr, num_tiles_ptr, c_ptr,
-                         N, K, stride_c, num_programs, gl.constexpr(1), GROUP_M, STAGES)),
+                         cw_desc, cn_desc, cw_bufs, cn_bufs, N, K, stride_c, num_programs,
+                         gl.constexpr(1), GROUP_M, STAGES, STAGED)),
             (_producer, (a_desc, bw_desc, bn_desc, a_bufs, bw_bufs, bn_bufs, sa_bufs, sb_bufs, ready, empty,
                          tiles_ptr, num_tiles_ptr, a_scale_ptr, b_scale_ptr, N, K, b_rows, stride_as_r, stride_as_k,
                          stride_bs_g, stride_bs_n, stride_bs_k, num_programs, GROUP_M, STAGES)),
@@ -352,19 +386,40 @@ def _wgmma_fp8_gemm_kernel(
 
 
 @gluon.jit
-def _promote(acc, part, scale, coords, n_first, c_ptr, N, K, stride_c, HALF: gl.constexpr):
+def _promote(acc, part, scale, coords, n_first, out, K, HALF: gl.constexpr, STAGED: gl.constexpr):
     """``acc + part * scale``; where the step at ``coords`` ends its tile (and is a step: ``t >= 0``),
-    this warpgroup's rows of the piece starting at column ``n_first`` are stored (those of its segment,
-    columns below N) and the accumulator restarts from zero."""
+    this warpgroup's rows of the piece starting at column ``n_first`` are stored and the accumulator
+    restarts from zero. ``out = (c_ptr, c_desc, c_buf, N, stride_c)``: where ``STAGED``, 64 rows inside
+    the segment go through the staging buffer ``c_buf`` by TMA (which drops columns past N), the MMAs
+    going on while they are written; the other rows are stored from registers, those past the segment
+    never."""
     acc += part * scale[:, None]
     kb, t, _, r0, r_end, _ = coords
     if (t >= 0) & (kb == gl.cdiv(K, 128) - 1):
-        rows = r0 + 64 * HALF + gl.arange(0, 64, layout=scale.type.layout)
-        cols = n_first + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
-        ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_c + cols[None, :]
-        gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < r_end)[:, None] & (cols < N)[None, :])
+        c_ptr, c_desc, c_buf, N, stride_c = out
+        row0 = r0 + 64 * HALF
+        if STAGED:
+            if row0 + 64 <= r_end:
+                tma.store_wait(0)  # the buffer's last store has read it
+                c_buf.store(acc.to(c_desc.dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [row0, n_first], c_buf)
+            else:
+                _store_rows(acc, row0, r_end, n_first, c_ptr, N, stride_c)
+        else:
+            _store_rows(acc, row0, r_end, n_first, c_ptr, N, stride_c)
         acc = gl.zeros_like(acc)
     return acc
+
+
+@gluon.jit
+def _store_rows(acc, row0, r_end, n_first, c_ptr, N, stride_c):
+    """Store ``acc`` at rows ``row0 + [0, 64)`` below ``r_end``, columns ``n_first + ...`` below N,
+    straight from the MMA's register layout."""
+    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc.type.layout))
+    cols = n_first + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
+    ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_c + cols[None, :]
+    gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < r_end)[:, None] & (cols < N)[None, :])
 
 
 def descriptor(data: Tensor, rows: int) -> TensorDescriptor:
@@ -372,6 +427,31 @@ def descriptor(data: Tensor, rows: int) -> TensorDescriptor:
     the MMA reads."""
     layout = gl.NVMMASharedLayout.get_default_for([rows, TILE], gl.float8e4nv)
     return TensorDescriptor.from_tensor(data, [rows, TILE], layout)
+
+
+def out_descriptor(out: Tensor, cols: int) -> TensorDescriptor:
+    """A TMA descriptor of ``64 x cols`` boxes of the 2-D output ``out``, in the staging buffer's layout."""
+    if out.stride(1) != 1 or (out.stride(0) * out.element_size()) % 16 or out.data_ptr() % 16:
+        raise ValueError(
+            f"out {tuple(out.shape)} with strides {out.stride()}: its rows must be contiguous, 16-byte aligned "
+            "and a multiple of 16 bytes apart (TMA stores)"
+        )
+    layout = gl.NVMMASharedLayout.get_default_for([64, cols], _GL_DTYPES[out.dtype])
+    return TensorDescriptor.from_tensor(out, [64, cols], layout)
+
+
+def _staged(out: Tensor) -> bool:
+    """Whether tiles are stored through shared memory: a 2-byte output's staging buffers take one stage
+    of the ring; an fp32 output's would take two, and it runs faster with them in the ring."""
+    return out.element_size() == 2
+
+
+def _stages(config: TileConfig, out: Tensor) -> int:
+    """The ring's stages: the config's, or fewer where they would not fit beside the two consumers'
+    staging buffers."""
+    stage = TILE * (TILE + BLOCK_N.value) + 2 * 2 * 64 * 4  # A, both B pieces (E4M3), row and block scales
+    staging = 2 * 64 * BLOCK_N.value * out.element_size() if _staged(out) else 0
+    return min(config.num_stages, (SHARED_MEMORY - staging) // stage)
 
 
 def supported(device: torch.device) -> bool:
@@ -385,7 +465,7 @@ def supported(device: torch.device) -> bool:
 def wgmma_fp8_grouped_gemm(
     a: FP8Tensor, b: FP8Tensor, out: Tensor, plan: RoutingPlan, *, config: TileConfig, num_sms: int
 ) -> None:
-    """Write ``out [R, N]`` (rows of the plan's tiles only; bf16 or fp32) from expert-sorted FP8
+    """Write ``out [R, N]`` (rows of the plan's tiles only; bf16 or fp32, rows 16-byte aligned) from expert-sorted FP8
     ``a [R, K]`` in 1×128 tiles and ``b [G, N, K]`` in 128×128 blocks (K a multiple of 16; ``b``'s rows
     contiguous, each expert's at any multiple of K: a range of a wider weight's rows), on a GPU where
     :func:`supported`."""
@@ -402,6 +482,8 @@ def wgmma_fp8_grouped_gemm(
             f"a {tuple(a.data.shape)} in tiles {a.tile}, b {tuple(b.data.shape)} in tiles {b.tile}: "
             "expected [*, K] in 1x128 tiles and [G, N, K] in 128x128 blocks, K a multiple of 16"
         )
+    if out.dim() != 2 or out.shape[1] != N:
+        raise ValueError(f"out {tuple(out.shape)}: expected [R, {N}]")
     g_stride, n_stride, k_stride = b.data.stride()
     if g_stride % K or n_stride != K or k_stride != 1:
         raise ValueError(f"b's strides {b.data.stride()}: each expert's [N, K] rows must be contiguous")
@@ -410,7 +492,8 @@ def wgmma_fp8_grouped_gemm(
     grid = max(1, min(num_sms * config.programs_per_sm, plan.max_tiles * cdiv(N, BLOCK_N.value)))
     _wgmma_fp8_gemm_kernel[(grid,)](
         descriptor(a.data, TILE), descriptor(b_2d, WIDE.value), descriptor(b_2d, NARROW.value), a.scale, b.scale, out,
-        plan.tiles_X3, plan.num_tiles_1, N, K, b_rows, a.scale.stride(0), a.scale.stride(1), b.scale.stride(0),
-        b.scale.stride(1), b.scale.stride(2), out.stride(0), grid, GROUP_M=config.group_m,
-        STAGES=config.num_stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+        out_descriptor(out, WIDE.value), out_descriptor(out, NARROW.value), plan.tiles_X3, plan.num_tiles_1, N, K,
+        b_rows, a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1), b.scale.stride(2),
+        out.stride(0), grid, GROUP_M=config.group_m,
+        STAGES=_stages(config, out), CONSUMER_REGS=CONSUMER_REGS, STAGED=_staged(out), num_warps=4,
     )  # fmt: skip

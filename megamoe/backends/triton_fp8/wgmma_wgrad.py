@@ -17,7 +17,8 @@ of ``128 x BLOCK_N`` output tiles (experts outermost) is three partitions:
               wait ready; part = mma(P^T[rows, kb], Q^T[:, kb]^T); wait for it
               read the block's scales from the stage, release the stage
               acc += (part * sq[None, :]) * sp[:, None]
-          store acc (zeros for an expert without rows)
+          store acc (zeros for an expert without rows): into a shared-memory buffer that
+              the TMA unit writes out while the next tile's MMAs run
 
 A block's promotion scales each element by a row and a column scale, so a consumer holds the
 accumulator, one partial sum and the scales of the columns it holds: an MMA is waited for at once
@@ -33,12 +34,18 @@ from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton_fp8.fp8_math import TILE
-from megamoe.backends.triton_fp8.wgmma_gemm import descriptor, invalidate_ring, ring_barriers
+from megamoe.backends.triton_fp8.wgmma_gemm import descriptor, invalidate_ring, out_descriptor, ring_barriers
 from megamoe.backends.triton_fp8.wgrad import check_operands
 from megamoe.backends.triton_mx.mx_math import swizzle
 from megamoe.quant.fp8 import FP8Tensor
@@ -124,6 +131,8 @@ def _consumer(
     ready,
     empty,
     out_ptr,
+    out_desc,
+    c_buf,
     block_start_ptr,
     G,
     M,
@@ -136,7 +145,9 @@ def _consumer(
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """One warpgroup: rows ``[64 HALF, 64 HALF + 64)`` of every tile, MMAs, promotions and stores."""
+    """One warpgroup: rows ``[64 HALF, 64 HALF + 64)`` of every tile, MMAs, promotions and stores (64
+    rows inside the expert's M through the staging buffer ``c_buf`` by TMA, the MMAs of the next tile
+    going on while they are written; the rows at M's end from registers)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
     )
@@ -158,15 +169,23 @@ def _consumer(
             mbarrier.arrive(empty.index(stage))
             acc += (part * sq[None, :]) * sp[:, None]
             i += 1
-        rows = m0 + 64 * HALF + gl.arange(0, 64, layout=row_layout)
-        cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-        ptrs = (
-            out_ptr
-            + expert.to(gl.int64) * stride_out_g
-            + rows.to(gl.int64)[:, None] * stride_out_m
-            + cols[None, :]
-        )
-        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+        row0 = m0 + 64 * HALF
+        if row0 + 64 <= M:
+            tma.store_wait(0)  # the buffer's last store has read it
+            c_buf.store(acc.to(out_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out_desc, [expert * M + row0, n0], c_buf)
+        else:
+            rows = row0 + gl.arange(0, 64, layout=row_layout)
+            cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
+            ptrs = (
+                out_ptr
+                + expert.to(gl.int64) * stride_out_g
+                + rows.to(gl.int64)[:, None] * stride_out_m
+                + cols[None, :]
+            )
+            gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+    tma.store_wait(0)  # the last store has read its buffer
 
 
 @gluon.jit
@@ -176,6 +195,7 @@ def _wgmma_fp8_wgrad_kernel(
     p_scale_ptr,
     q_scale_ptr,
     out_ptr,
+    out_desc,
     block_start_ptr,
     G,
     M,
@@ -199,12 +219,15 @@ def _wgmma_fp8_wgrad_kernel(
     sp_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 64], scales)  # stage s: rows 2s, 2s + 1
     sq_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scales)
     ready, empty = ring_barriers(STAGES)
+    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2, 64, BLOCK_N], out_desc.layout)  # consumer h's: h
     gl.warp_specialize(
         [
-            (_consumer, (p_bufs, q_bufs, sp_bufs, sq_bufs, ready, empty, out_ptr, block_start_ptr, G, M, N,
-                         stride_out_g, stride_out_m, num_programs, gl.constexpr(0), BLOCK_N, GROUP_M, STAGES)),
-            (_consumer, (p_bufs, q_bufs, sp_bufs, sq_bufs, ready, empty, out_ptr, block_start_ptr, G, M, N,
-                         stride_out_g, stride_out_m, num_programs, gl.constexpr(1), BLOCK_N, GROUP_M, STAGES)),
+            (_consumer, (p_bufs, q_bufs, sp_bufs, sq_bufs, ready, empty, out_ptr, out_desc, c_bufs.index(0),
+                         block_start_ptr, G, M, N, stride_out_g, stride_out_m, num_programs, gl.constexpr(0),
+                         BLOCK_N, GROUP_M, STAGES)),
+            (_consumer, (p_bufs, q_bufs, sp_bufs, sq_bufs, ready, empty, out_ptr, out_desc, c_bufs.index(1),
+                         block_start_ptr, G, M, N, stride_out_g, stride_out_m, num_programs, gl.constexpr(1),
+                         BLOCK_N, GROUP_M, STAGES)),
             (_producer, (p_desc, q_desc, p_bufs, q_bufs, sp_bufs, sq_bufs, ready, empty, p_scale_ptr, q_scale_ptr,
                          block_start_ptr, G, M, N, stride_ps_m, stride_ps_b, stride_qs_n, stride_qs_b,
                          num_programs, BLOCK_N, GROUP_M, STAGES)),
@@ -231,7 +254,18 @@ def wgmma_fp8_wgrad(
     p_desc, q_desc = descriptor(p.data, TILE), descriptor(q.data, bn)
     grid = max(1, min(num_sms * config.programs_per_sm, G * cdiv(M, TILE) * cdiv(N, bn)))
     _wgmma_fp8_wgrad_kernel[(grid,)](
-        p_desc, q_desc, p.scale, q.scale, out_GMN, block_start_G1, G, M, N, p.scale.stride(0), p.scale.stride(1),
+        p_desc, q_desc, p.scale, q.scale, out_GMN, _out_descriptor(out_GMN, bn), block_start_G1, G, M, N, p.scale.stride(0), p.scale.stride(1),
         q.scale.stride(0), q.scale.stride(1), out_GMN.stride(0), out_GMN.stride(1), grid, BLOCK_N=bn, GROUP_M=config.group_m, STAGES=config.num_stages,
         CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
     )  # fmt: skip
+
+
+def _out_descriptor(out_GMN: Tensor, cols: int):
+    """The output's TMA descriptor: ``[G, M, N]`` (a column range of a wider gradient too) viewed as the
+    rows ``[G M, N]``, in ``64 x cols`` boxes."""
+    G, M, N = out_GMN.shape
+    if out_GMN.stride(0) != M * out_GMN.stride(1):
+        raise ValueError(
+            f"out {tuple(out_GMN.shape)}, strides {out_GMN.stride()}: experts' rows must follow on"
+        )
+    return out_descriptor(out_GMN.as_strided((G * M, N), out_GMN.stride()[1:]), cols)

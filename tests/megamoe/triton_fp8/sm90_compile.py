@@ -57,9 +57,11 @@ def _wgmma_gemm(*, N: int, K: int, out: str, b_rows: int | None = None) -> tuple
     kb, nb = -(-K // TILE), -(-N // TILE)
     args = dict(
         a_desc=_desc(TILE), bw_desc=_desc(wgmma_gemm.WIDE.value), bn_desc=_desc(wgmma_gemm.NARROW.value),
-        a_scale_ptr="*fp32", b_scale_ptr="*fp32", c_ptr=out, tiles_ptr="*i32", num_tiles_ptr="*i32", N=N, K=K,
+        a_scale_ptr="*fp32", b_scale_ptr="*fp32", c_ptr=out, cw_desc=_out_desc(wgmma_gemm.WIDE.value, out),
+        cn_desc=_out_desc(wgmma_gemm.NARROW.value, out), tiles_ptr="*i32", num_tiles_ptr="*i32", N=N, K=K,
         b_rows=b_rows or N, stride_as_r=1, stride_as_k=R, stride_bs_g=nb * kb, stride_bs_n=kb, stride_bs_k=1,
-        stride_c=N, num_programs=NUM_SMS * cfg.programs_per_sm, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+        stride_c=N, num_programs=NUM_SMS * cfg.programs_per_sm, GROUP_M=cfg.group_m,
+        STAGES=cfg.num_stages - 1 if out == "*bf16" else cfg.num_stages, STAGED=out == "*bf16",  # wgmma_gemm
         CONSUMER_REGS=wgmma_gemm.CONSUMER_REGS,
     )  # fmt: skip
     return wgmma_gemm._wgmma_fp8_gemm_kernel, args, {"num_warps": cfg.num_warps}
@@ -69,6 +71,15 @@ def _desc(rows: int) -> str:
     """The type of a TMA descriptor of ``rows x 128`` E4M3 boxes in the shared layout the MMA reads."""
     layout = repr(gl.NVMMASharedLayout.get_default_for([rows, TILE], gl.float8e4nv))
     return f"tensordesc<fp8e4nv[{rows},{TILE}],{layout}>"
+
+
+def _out_desc(cols: int, out: str) -> str:
+    """The type of a TMA descriptor of ``64 x cols`` boxes of an output of pointer type ``out``, in the
+    layout of the kernels' staging buffers."""
+    dtype = out.lstrip("*")
+    gl_dtype = {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype]
+    layout = repr(gl.NVMMASharedLayout.get_default_for([64, cols], gl_dtype))
+    return f"tensordesc<{dtype}[64,{cols}],{layout}>"
 
 
 def _wgrad(M: int, N: int) -> tuple:
@@ -88,7 +99,8 @@ def _wgmma_wgrad(M: int, N: int) -> tuple:
     cfg = GPU_WGMMA_WGRAD
     args = dict(
         p_desc=_desc(TILE), q_desc=_desc(cfg.block_n), p_scale_ptr="*fp32", q_scale_ptr="*fp32",
-        out_ptr="*bf16", block_start_ptr="*i32", G=G, M=M, N=N, stride_ps_m=1, stride_ps_b=M, stride_qs_n=1,
+        out_ptr="*bf16", out_desc=_out_desc(cfg.block_n, "*bf16"), block_start_ptr="*i32", G=G, M=M, N=N,
+        stride_ps_m=1, stride_ps_b=M, stride_qs_n=1,
         stride_qs_b=N, stride_out_g=M * N, stride_out_m=N, num_programs=NUM_SMS * cfg.programs_per_sm,
         BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, CONSUMER_REGS=wgmma_wgrad.CONSUMER_REGS,

@@ -26,8 +26,21 @@ _PERSISTENT = {  # launch: its tile, whose programs_per_sm programs must be resi
 }
 
 
+# The M-grouped Gluon GEMM with a bf16 output keeps two values that every partition reads in local
+# memory (read once, as each partition starts) and one staging-buffer address of its second consumer
+# (read once per tile): none in the step loop, whose MMAs and promotions run in registers.
+_GLUON_GEMM_SPILLS = {
+    "wgmma gemm, bf16 out (fc1 fwd)": 44,
+    "wgmma gemm, bf16 out (fc2 fwd)": 44,
+    "wgmma gemm, bf16 out (fc1 dgrad)": 44,
+    "wgmma gemm, bf16 out (fc1 dgrad, half its columns)": 44,
+}
+
+
 def test_every_launch_compiles_for_sm90_without_spills() -> None:
-    report = assert_compiles_for_sm90("tests.megamoe.triton_fp8.sm90_compile")
+    report = assert_compiles_for_sm90(
+        "tests.megamoe.triton_fp8.sm90_compile", known_spills=_GLUON_GEMM_SPILLS
+    )
     for name, config in _PERSISTENT.items():
         result, programs = report[name], config.programs_per_sm
         registers = programs * 32 * config.num_warps * -(-result["registers"] // 8) * 8
