@@ -39,8 +39,8 @@ coordinates are read from the tile table once per tile, not per step. Rows past 
 columns past N are computed and never stored; the last K tile reads TMA's zero fill. A tile's store
 goes through shared memory and the TMA unit, so that the consumers go on to the next tile's MMAs while
 it is written (storing from the MMA's register layout, each warp instruction writes 16 bytes in each of
-8 rows, and the tensor cores waited for it); the two staging buffers take one stage's room (two for an
-fp32 output).
+8 rows, and the tensor cores waited for it). A bf16 output's two staging buffers take one stage's room;
+an fp32 output's would take two, more than the stores gain, so it is stored from registers.
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ def _wgmma_fp8_gemm_kernel(
     if STAGED:  # consumer h's buffers: index h
         cw_bufs = gl.allocate_shared_memory(cw_desc.dtype, [2, 64, WIDE], cw_desc.layout)
         cn_bufs = gl.allocate_shared_memory(cn_desc.dtype, [2, 64, NARROW], cn_desc.layout)
-    else:  # an fp32 output is stored from registers: the consumers take the scales' ring, never read as this
+    else:  # an fp32 output is stored from registers: the consumers get a placeholder they never touch
         cw_bufs = sb_bufs
         cn_bufs = sb_bufs
     # partition arguments go flat (a constexpr inside a tuple argument does not cross the fork)
