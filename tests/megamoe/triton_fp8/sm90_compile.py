@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
+import torch
 import triton
 from triton.experimental.gluon import language as gl
 
@@ -55,13 +56,14 @@ def _wgmma_gemm(*, N: int, K: int, out: str, b_rows: int | None = None) -> tuple
     with the kernel's NVMMA shared layouts (B in a wide and a narrow piece)."""
     cfg = GPU_WGMMA
     kb, nb = -(-K // TILE), -(-N // TILE)
+    output = torch.empty(0, dtype={"*bf16": torch.bfloat16, "*fp32": torch.float32}[out])
     args = dict(
         a_desc=_desc(TILE), bw_desc=_desc(wgmma_gemm.WIDE.value), bn_desc=_desc(wgmma_gemm.NARROW.value),
         a_scale_ptr="*fp32", b_scale_ptr="*fp32", c_ptr=out, cw_desc=_out_desc(wgmma_gemm.WIDE.value, out),
         cn_desc=_out_desc(wgmma_gemm.NARROW.value, out), tiles_ptr="*i32", num_tiles_ptr="*i32", N=N, K=K,
         b_rows=b_rows or N, stride_as_r=1, stride_as_k=R, stride_bs_g=nb * kb, stride_bs_n=kb, stride_bs_k=1,
         stride_c=N, num_programs=NUM_SMS * cfg.programs_per_sm, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages - 1 if out == "*bf16" else cfg.num_stages, STAGED=out == "*bf16",  # wgmma_gemm
+        STAGES=wgmma_gemm._stages(cfg, output), STAGED=wgmma_gemm._staged(output),
         CONSUMER_REGS=wgmma_gemm.CONSUMER_REGS,
     )  # fmt: skip
     return wgmma_gemm._wgmma_fp8_gemm_kernel, args, {"num_warps": cfg.num_warps}
