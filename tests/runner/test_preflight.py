@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -107,15 +105,6 @@ def test_preflight_verdict_accepted_puts_the_node_logs_in_the_run_directory() ->
 # --------------------------------------------------------------------------- real primus-cli
 
 
-@pytest.fixture(scope="module")
-def budget_s() -> float:
-    """5 s, or the time torch takes to import here plus 2 s when the machine is busy: the check
-    imports torch (megamoe does), and nothing else in it should cost much."""
-    start = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=60)
-    return max(5.0, time.monotonic() - start + 2.0)
-
-
 @pytest.mark.parametrize("dry_run", [False, True], ids=["launch", "dry-run"])
 @pytest.mark.parametrize(
     ("override", "message"),
@@ -126,21 +115,18 @@ def budget_s() -> float:
     ids=["ep-does-not-divide", "misspelt-key"],
 )
 def test_preflight_bad_config_is_one_line_and_exit_2_before_any_hook(
-    tmp_path: Path, dry_run: bool, override: list[str], message: str, budget_s: float
+    tmp_path: Path, dry_run: bool, override: list[str], message: str
 ) -> None:
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "00_mark.sh").write_text(f"touch {tmp_path}/hook-ran\n")
     args = [*(["--dry-run"] * dry_run), "direct", "--hooks-dir", str(hooks), "--", "train", "pretrain"]
-    start = time.monotonic()
     res = subprocess.run([PRIMUS_CLI, *args, "--config", TINY, *override], cwd=tmp_path,
                          env=job_env({"PATH": "/usr/bin:/bin"}), capture_output=True, text=True, timeout=60)  # fmt: skip
-    elapsed = time.monotonic() - start
     assert res.returncode == 2, res.stderr
     assert res.stdout == ""
     [line] = res.stderr.splitlines()
     assert line.startswith("Error: ") and message in line
-    assert elapsed < budget_s, f"{elapsed:.1f} s"
     assert not (tmp_path / "hook-ran").exists() and not (tmp_path / "logs").exists()
 
 
