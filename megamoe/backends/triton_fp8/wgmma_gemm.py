@@ -31,10 +31,10 @@ under ``ncu``) feeds more MMA work than at ``128 x 128`` (docs/history/kernels.m
 of two wide (a tensor's shape must be), and the wide piece starts on a multiple of 128 (first in even
 column tiles, second in odd ones), so each piece lies in one weight block and is promoted by one scale
 per row. The consumers never wait for each other, and the tensor cores run one piece while the CUDA
-cores promote the other. A consumer reads its scales from the stage, each step's MMA waited for them. The accumulators (``64 x 192`` fp32) and the two partial
-sums (``64 x 128`` and ``64 x 64``) live in a consumer's registers; the loop runs two steps a trip so
-that the narrow partial, in flight from one step into the next, is not copied into a loop-carried
-register set (ptxas then serialises every MMA; the sm_90a compile test checks it does not). A tile's
+cores promote the other. A consumer reads its scales from the stage, each step's MMA waited for them.
+The accumulators (``64 x 192`` fp32) and the two partial sums (``64 x 128`` and ``64 x 64``) live in a
+consumer's registers; the loop runs two steps a trip so that the narrow partial, in flight from one
+step into the next, is not copied into a loop-carried register set (ptxas then serialises every MMA; the sm_90a compile test checks it does not). A tile's
 coordinates are read from the tile table once per tile, not per step. Rows past a segment's end and
 columns past N are computed and never stored; the last K tile reads TMA's zero fill. A tile's store
 goes through shared memory and the TMA unit, so that the consumers go on to the next tile's MMAs while
@@ -400,22 +400,29 @@ def _promote(acc, part, scale, coords, n_first, out, K, HALF: gl.constexpr, STAG
         row0 = r0 + 64 * HALF
         if STAGED:
             if row0 + 64 <= r_end:
-                tma.store_wait(0)  # the buffer's last store has read it
-                c_buf.store(acc.to(c_desc.dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [row0, n_first], c_buf)
+                store_by_tma(acc, c_desc, c_buf, row0, n_first)
             else:
-                _store_rows(acc, row0, r_end, n_first, c_ptr, N, stride_c)
+                store_rows(acc, row0, r_end, n_first, c_ptr, N, stride_c)
         else:
-            _store_rows(acc, row0, r_end, n_first, c_ptr, N, stride_c)
+            store_rows(acc, row0, r_end, n_first, c_ptr, N, stride_c)
         acc = gl.zeros_like(acc)
     return acc
 
 
 @gluon.jit
-def _store_rows(acc, row0, r_end, n_first, c_ptr, N, stride_c):
-    """Store ``acc`` at rows ``row0 + [0, 64)`` below ``r_end``, columns ``n_first + ...`` below N,
-    straight from the MMA's register layout."""
+def store_by_tma(acc, c_desc, c_buf, row, col):
+    """Store a consumer's ``acc`` at ``[row, col]`` of ``c_desc``'s tensor through its staging buffer
+    ``c_buf``: the TMA unit writes it out while the consumer goes on (columns past the tensor dropped)."""
+    tma.store_wait(0)  # the buffer's last store has read it
+    c_buf.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [row, col], c_buf)
+
+
+@gluon.jit
+def store_rows(acc, row0, r_end, n_first, c_ptr, N, stride_c):
+    """Store a consumer's ``acc`` at rows ``row0 + [0, 64)`` below ``r_end``, columns ``n_first + ...``
+    below N, straight from the MMA's register layout."""
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc.type.layout))
     cols = n_first + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
     ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_c + cols[None, :]

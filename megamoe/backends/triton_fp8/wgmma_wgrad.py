@@ -35,7 +35,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -45,7 +44,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.grid import cdiv
 from megamoe.backends.triton_fp8.fp8_math import TILE
-from megamoe.backends.triton_fp8.wgmma_gemm import descriptor, invalidate_ring, out_descriptor, ring_barriers
+from megamoe.backends.triton_fp8.wgmma_gemm import (
+    descriptor,
+    invalidate_ring,
+    out_descriptor,
+    ring_barriers,
+    store_by_tma,
+    store_rows,
+)
 from megamoe.backends.triton_fp8.wgrad import check_operands
 from megamoe.backends.triton_mx.mx_math import swizzle
 from megamoe.quant.fp8 import FP8Tensor
@@ -171,20 +177,9 @@ def _consumer(
             i += 1
         row0 = m0 + 64 * HALF
         if row0 + 64 <= M:
-            tma.store_wait(0)  # the buffer's last store has read it
-            c_buf.store(acc.to(out_desc.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(out_desc, [expert * M + row0, n0], c_buf)
+            store_by_tma(acc, out_desc, c_buf, expert * M + row0, n0)
         else:
-            rows = row0 + gl.arange(0, 64, layout=row_layout)
-            cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-            ptrs = (
-                out_ptr
-                + expert.to(gl.int64) * stride_out_g
-                + rows.to(gl.int64)[:, None] * stride_out_m
-                + cols[None, :]
-            )
-            gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+            store_rows(acc, row0, M, n0, out_ptr + expert.to(gl.int64) * stride_out_g, N, stride_out_m)
     tma.store_wait(0)  # the last store has read its buffer
 
 
