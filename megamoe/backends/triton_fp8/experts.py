@@ -39,6 +39,7 @@ from megamoe.backends.triton_fp8.quantize import (
     quantize_rows,
     quantize_segments,
     rows_for_tma,
+    segments_bytes,
     segments_in,
 )
 from megamoe.backends.triton_fp8.swiglu import swiglu_backward_quant, swiglu_quant
@@ -175,20 +176,56 @@ class FP8Experts(QuantizedExperts):
         scratch: Tensor | None = None,
     ) -> Tensor:
         """``dW1 = t(dh)^T t(x)``, both along R. With ``scratch`` (``grad_h_R2I`` itself when no one reads
-        it after this call), ``t(x)`` is made whole in its bytes once ``t(dh)`` is made, if it fits: one
-        wgrad, and no buffer for it beside dW1. Otherwise ``t(x)`` is made and used in column chunks
-        (:func:`~megamoe.backends.triton.configs.column_chunks`), so it never lives whole beside dW1.
-        Each column's 1×128 tiles along R are the same in a chunk as in the whole: the same bits."""
-        dw1 = torch.empty_like(w1_G2IH)
+        it after this call), ``t(dh)`` is moved into its first bytes once made (a copy at memory speed),
+        before dW1 is allocated, and ``t(x)`` is made in the rest, whole or in as few column chunks as
+        fit: nothing of the wgrad's operands lives beside dW1 but the bytes of ``dh`` itself, which
+        autograd holds through this call anyway. Without scratch, ``t(x)`` is made and used in column
+        chunks (:func:`~megamoe.backends.triton.configs.column_chunks`), so it never lives whole beside
+        dW1. Each column's 1×128 tiles along R are the same in a chunk as in the whole: the same bits."""
         R, H = grad_h_R2I.shape[0], rows.shape[1]
         if not R:
-            return dw1.zero_()
+            return torch.zeros_like(w1_G2IH)
         p = self._along_r(grad_h_R2I, plan, None)  # the last read of grad_h
-        in_scratch = None if scratch is None else segments_in(scratch, H, plan.num_blocks)
-        if in_scratch is not None:
-            return self._wgrad(p, self._along_r(rows, plan, a_rows, out=in_scratch), dw1, plan)
-        for columns in column_chunks(R, H, 1, self._wgrad_block_n(dw1.device)):
-            q = self._along_r(rows[:, slice(*columns)], plan, a_rows)
-            self._wgrad(p, q, dw1[:, :, slice(*columns)], plan)
+        free = None
+        if scratch is not None:
+            p, free = _moved_into(p, scratch, plan.num_blocks)
+        dw1 = torch.empty_like(w1_G2IH)
+        block_n = self._wgrad_block_n(dw1.device)
+        width = 0 if free is None else _columns_fitting(free, H, plan.num_blocks, block_n)
+        chunks = (
+            [(start, min(start + width, H)) for start in range(0, H, width)]
+            if width
+            else column_chunks(R, H, 1, block_n)
+        )
+        for start, end in chunks:
+            into = segments_in(free, end - start, plan.num_blocks) if width else None
+            q = self._along_r(rows[:, start:end], plan, a_rows, out=into)
+            self._wgrad(p, q, dw1[:, :, start:end], plan)
             del q
         return dw1
+
+
+def _moved_into(p: FP8Tensor, scratch: Tensor, num_blocks: int) -> tuple[FP8Tensor, Tensor]:
+    """``(p, free)``: along-R operand ``p`` copied into the first bytes of ``scratch`` (the original freed
+    once the caller drops it) and the bytes after it; ``p`` itself and all of ``scratch`` where it does
+    not fit."""
+    raw = scratch.view(-1).view(torch.uint8)
+    cols = p.data.shape[0]
+    used = segments_bytes(cols, num_blocks)
+    moved = segments_in(raw[:used], cols, num_blocks) if used <= raw.numel() else None
+    if moved is None:
+        return p, raw
+    moved.data.copy_(p.data)
+    moved.scale.copy_(p.scale)
+    return moved, raw[used:]
+
+
+def _columns_fitting(free: Tensor, cols: int, num_blocks: int, multiple: int) -> int:
+    """The widest column chunk (all ``cols``, or a multiple of ``multiple``) whose along-R operand fits in
+    ``free``'s bytes; 0 where not even ``multiple`` columns fit."""
+    if segments_in(free, cols, num_blocks) is not None:
+        return cols
+    width = free.numel() // ((TILE + 4) * num_blocks) // multiple * multiple  # bytes of a column, unrounded
+    while width and segments_in(free, width, num_blocks) is None:
+        width -= multiple
+    return width

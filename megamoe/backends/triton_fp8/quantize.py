@@ -162,6 +162,12 @@ def empty_segments(cols: int, num_blocks: int, device: torch.device) -> FP8Tenso
     )
 
 
+def segments_bytes(cols: int, num_blocks: int) -> int:
+    """Bytes an :func:`empty_segments` operand takes in a buffer (:func:`segments_in`), rounded up to 16."""
+    scale_at = -(-cols * num_blocks * TILE // 16) * 16
+    return -(-(scale_at + 4 * cols * num_blocks) // 16) * 16
+
+
 def segments_in(buffer: Tensor, cols: int, num_blocks: int) -> FP8Tensor | None:
     """An :func:`empty_segments` operand laid out in ``buffer``'s bytes (contiguous, no longer read), or
     None when it does not fit: E4M3 data from its start, the scales from the next 16-byte boundary."""

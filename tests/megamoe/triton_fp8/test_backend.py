@@ -79,18 +79,33 @@ def test_dw1_from_t_x_made_in_column_chunks_has_the_same_bits(monkeypatch) -> No
         assert torch.equal(chunked[name], whole[name]), name
 
 
-def test_dw1_from_t_x_made_in_grad_h_bytes_has_the_same_bits(monkeypatch) -> None:
-    """When stage 2 wrote ``dh`` over the layer's private ``h``, ``t(x)`` for dW1 is made whole in those
-    bytes once ``t(dh)`` is made: the same gradients, bit for bit, as from its own buffers (a retained
-    graph keeps ``h``, so there it gets them)."""
+@pytest.mark.parametrize("room", [None, 16])
+def test_dw1_operands_made_in_grad_h_bytes_have_the_same_bits(monkeypatch, room) -> None:
+    """When stage 2 wrote ``dh`` over the layer's private ``h``, dW1's operands live in those bytes once
+    ``t(dh)`` is made: ``t(dh)`` moved to their start, ``t(x)`` after it in as few column chunks as fit
+    (``room``: the bytes cut short to fit 16 of its 48 columns). The same gradients, bit for bit, as
+    from their own buffers (a retained graph keeps ``h``, so there they get them)."""
     from megamoe.backends.triton_fp8 import experts
 
-    placed = []
-    segments_in = experts.segments_in
-    monkeypatch.setattr(
-        experts, "segments_in", lambda *a: placed.append(segments_in(*a) is not None) or segments_in(*a)
-    )
-    x, idx, tw, w1, w2, dy = _case(23, 48, 80, 5, 3, drop=0.15, empty=2)
+    spans, operands = [], []
+    moved_into, wgrad = experts._moved_into, experts.FP8Experts._wgrad
+
+    def spy_moved_into(p, scratch, num_blocks):
+        raw = scratch.view(-1).view(torch.uint8)
+        if room:
+            need = experts.segments_bytes(p.data.shape[0], num_blocks)
+            raw = raw[: need + experts.segments_bytes(room, num_blocks)]
+        spans.append((raw.data_ptr(), raw.data_ptr() + raw.numel()))
+        return moved_into(p, raw, num_blocks)
+
+    def spy_wgrad(self, p, q, out, plan):
+        operands.append((p.data.data_ptr(), q.data.data_ptr(), q.data.shape[0]))
+        return wgrad(self, p, q, out, plan)
+
+    monkeypatch.setattr(experts, "_moved_into", spy_moved_into)
+    monkeypatch.setattr(experts.FP8Experts, "_wgrad", spy_wgrad)
+    # enough rows per expert for t(dh) along R (128-row tiles) to fit in dh's bytes with room after it
+    x, idx, tw, w1, w2, dy = _case(300, 48, 80, 2, 2, drop=0.05, empty=0)
 
     def grads(retain_graph: bool) -> tuple[torch.Tensor, ...]:
         leaves = [t.clone().requires_grad_() for t in (x, tw, w1, w2)]
@@ -98,9 +113,15 @@ def test_dw1_from_t_x_made_in_grad_h_bytes_has_the_same_bits(monkeypatch) -> Non
         return torch.autograd.grad(y, leaves, dy, retain_graph=retain_graph)
 
     in_scratch = grads(retain_graph=False)
-    assert placed == [True]
+    (lo, hi), dw1_operands = spans[0], operands[1:]  # operands[0]: dW2's
+    widths = [cols for *_, cols in dw1_operands]
+    assert len(spans) == 1 and sum(widths) == 48 and (widths == [16] * 3 if room else len(widths) < 3)
+    for p_at, q_at, _ in dw1_operands:
+        assert p_at == lo and lo < q_at < hi
+    operands.clear()
     own_buffers = grads(retain_graph=True)
-    assert placed == [True]  # not asked: grad_h was not scratch
+    assert len(spans) == 1  # not asked: grad_h was not scratch
+    assert all(not lo <= at < hi for p_at, q_at, _ in operands[1:] for at in (p_at, q_at))
     for name, a, b in zip(GRADS[1:], in_scratch, own_buffers, strict=True):
         assert torch.equal(a, b), name
 
