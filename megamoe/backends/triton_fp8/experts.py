@@ -151,7 +151,7 @@ class FP8Experts(QuantizedExperts):
     ) -> None:
         """``dx rows [R, H] = t(dh) b(W1^T)^T`` handed to ``sink`` in column ranges (padding rows not
         written). A range's rows are no larger than dW1, so they and the rowwise ``t(dh)`` beside them
-        stay under dW1's wgrad, where ``t(dh)`` along R (about as large) sits beside dW1."""
+        stay under dW1's wgrad (:meth:`wgrad1`)."""
         R, H = grad_h_R2I.shape[0], w1_G2IH.shape[2]
         if not R * H:
             return
