@@ -13,8 +13,8 @@ each as the bf16 Triton kernel with its own config, then the Triton FP8 kernel f
 :data:`GEMM_CANDIDATES` / :data:`WGRAD_CANDIDATES` (the first is its default,
 :mod:`megamoe.backends.triton_fp8.configs`), then, on Hopper, the warp-specialised Gluon GEMM the
 backend runs there (``fp8-wgmma``; for gemm1 the quantised rows gathered first, that gather timed with
-it); then the quantisers (the along-R one in each tile of :data:`SEGMENT_TILES`) and the quantised
-rows' gather (alone with ``--passes-only``). Operands are
+it); then the quantisers (the along-R one in each tile of :data:`SEGMENT_TILES`), the quantised
+rows' gather and two copies, the rate the passes' bytes would move at (alone with ``--passes-only``). Operands are
 quantised once, outside the timing. ``max rel`` compares each output with the default config's (0 up to fp32
 summation order). A candidate that fails to compile or run is reported and the others go on.
 Prints a markdown table (``bf16/FP8`` = bf16 ms / FP8 ms, above 1: FP8 faster) and writes JSON.
@@ -193,6 +193,7 @@ def main() -> None:
     )
     valid = plan.expert_start_G1[-1:]
     qw1_t = empty_weight((G, H, 2 * I), device)
+    dh_copy, qw1_copy = torch.empty_like(dh), torch.empty_like(qw1.data.view(torch.uint8))
     for name, nbytes, fn in [
         ("quantize_rows(x)", 3 * T * H, lambda: quantize_rows(x)),
         ("quantize W1", 3 * w1.numel(), lambda: quantize_weight(w1, qw1)),
@@ -211,6 +212,8 @@ def main() -> None:
             for tile in SEGMENT_TILES
         ),
         ("swiglu_quant(h)", 5 * R * I, lambda: swiglu_quant(h, valid)),
+        ("a copy of dh (bf16): the card's memory rate", 4 * R * 2 * I, lambda: dh_copy.copy_(dh)),
+        ("a copy of q(W1)'s E4M3 bytes", 2 * w1.numel(), lambda: qw1_copy.copy_(qw1.data.view(torch.uint8))),
         *(
             (
                 f"quantize_segments(x, gathered), {tile[0]} columns x {tile[1]} warps",
