@@ -14,8 +14,8 @@ each as the bf16 Triton kernel with its own config, then the Triton FP8 kernel f
 :mod:`megamoe.backends.triton_fp8.configs`), then, on Hopper, the warp-specialised Gluon GEMM the
 backend runs there (``fp8-wgmma``; for gemm1 the quantised rows gathered first, that gather timed with
 it); then the quantisers (the along-R one in each tile of :data:`SEGMENT_TILES`), the quantised
-rows' gather and two copies, the rate the passes' bytes would move at (alone with ``--passes-only``). Operands are
-quantised once, outside the timing. ``max rel`` compares each output with the default config's (0 up to fp32
+rows' gather and two copies, the rate the passes' bytes would move at (alone with
+``--passes-only``). Operands are quantised once, outside the timing. ``max rel`` compares each output with the default config's (0 up to fp32
 summation order). A candidate that fails to compile or run is reported and the others go on.
 Prints a markdown table (``bf16/FP8`` = bf16 ms / FP8 ms, above 1: FP8 faster) and writes JSON.
 """

@@ -212,7 +212,7 @@ def _moved_into(p: FP8Tensor, scratch: Tensor, num_blocks: int) -> tuple[FP8Tens
     raw = scratch.view(-1).view(torch.uint8)
     cols = p.data.shape[0]
     used = segments_bytes(cols, num_blocks)
-    moved = segments_in(raw[:used], cols, num_blocks) if used <= raw.numel() else None
+    moved = segments_in(raw[:used], cols, num_blocks)  # None where scratch is shorter
     if moved is None:
         return p, raw
     moved.data.copy_(p.data)

@@ -34,8 +34,8 @@ per row. The consumers never wait for each other, and the tensor cores run one p
 cores promote the other. A consumer reads its scales from the stage, each step's MMA waited for them.
 The accumulators (``64 x 192`` fp32) and the two partial sums (``64 x 128`` and ``64 x 64``) live in a
 consumer's registers; the loop runs two steps a trip so that the narrow partial, in flight from one
-step into the next, is not copied into a loop-carried register set (ptxas then serialises every MMA; the sm_90a compile test checks it does not). A tile's
-coordinates are read from the tile table once per tile, not per step. Rows past a segment's end and
+step into the next, is not copied into a loop-carried register set (ptxas then serialises every MMA;
+the sm_90a compile test checks it does not). A tile's coordinates are read from the tile table once per tile, not per step. Rows past a segment's end and
 columns past N are computed and never stored; the last K tile reads TMA's zero fill. A tile's store
 goes through shared memory and the TMA unit, so that the consumers go on to the next tile's MMAs while
 it is written (storing from the MMA's register layout, each warp instruction writes 16 bytes in each of
